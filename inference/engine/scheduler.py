@@ -1,0 +1,210 @@
+"""Continuous batching: each step admits what fits and runs prefill chunks and decodes together.
+
+Plain Python over `Sequence` objects and a `BlockManager`; no tensors. One step:
+
+    budget = max_num_batched_tokens
+    for seq in running (oldest first):            # keep what is running going
+        n = min(seq's uncomputed tokens, budget)  # 1 for decode, a chunk for a long prefill
+        while KV blocks for n don't fit: preempt the newest running sequence (recompute later)
+        allocate, schedule (seq, n)
+    if nothing was preempted:
+        while waiting and seats (max_num_seqs) and budget:   # admit new work
+            n = min(prompt tokens left, budget)              # chunked prefill
+            stop at the first sequence whose blocks don't fit (no overtaking: FCFS)
+            allocate, schedule (seq, n)
+
+A preempted sequence loses its KV and goes back to the *front* of the waiting queue;
+when readmitted it recomputes prompt + output so far, so its output is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from inference.engine.block_manager import BlockManager
+from inference.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class FcfsQueue:
+    """First come, first served waiting queue (the default admission policy)."""
+
+    def __init__(self) -> None:
+        self._items: deque[Sequence] = deque()
+
+    def push(self, seq: Sequence) -> None:
+        self._items.append(seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        self._items.appendleft(seq)
+
+    def peek(self) -> Sequence:
+        return self._items[0]
+
+    def pop(self) -> Sequence:
+        return self._items.popleft()
+
+    def remove(self, seq: Sequence) -> None:
+        self._items.remove(seq)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        waiting: FcfsQueue | None = None,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting = waiting if waiting is not None else FcfsQueue()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+
+    # -- queue management -----------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request_id {seq.request_id!r} is already in the engine")
+        if self.block_manager.blocks_for_tokens(seq.num_tokens) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens needs more KV cache than the engine has "
+                f"({self.block_manager.capacity_tokens} tokens)"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._by_id[seq.request_id] = seq
+        self.waiting.push(seq)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request wherever it is and free its KV blocks at once."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Called by the engine when a running sequence hits a stop condition."""
+        self.running.remove(seq)
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._by_id.pop(seq.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._by_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._by_id)
+
+    # -- the step decision ----------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running sequences first (oldest first), preempting the newest when KV runs out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.allocate(seq, n)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # `seq` itself was preempted: everything after it already was too
+
+        # 2. Admit waiting sequences, unless this step had to preempt (no room to grow).
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting.peek()
+                n = seq.num_uncomputed_tokens
+                if n > budget:
+                    if not self.config.enable_chunked_prefill:
+                        break
+                    n = budget
+                if not self.block_manager.can_allocate(seq, n):
+                    break
+                self.waiting.pop()
+                self.block_manager.allocate(seq, n)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop `seq`'s KV (recompute later) and put it back at the front of the queue."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.push_front(seq)
+
+    def on_step_done(self, scheduled: list[ScheduledSeq]) -> None:
+        """Mark the scheduled tokens as computed (their KV is now in the cache)."""
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens

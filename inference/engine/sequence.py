@@ -1,0 +1,91 @@
+"""One request's state as the engine moves it through waiting → running → finished.
+
+Plain Python: the scheduler and block manager are tested without tensors. Anything
+torch-shaped a sequence needs (its seeded generator, its detokenizer) hangs off it
+as an opaque attribute that only the engine touches.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from inference.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # client went away or an explicit abort
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Upper bound on prompt + output tokens: the model's context length.
+    max_model_len: int
+    # Adapter slot index for every token of this sequence; -1 = base model only.
+    # Filled by the multi-LoRA layer once adapters exist.
+    lora_slot: int = -1
+    # Tenant fairness hooks (the inference server sets these; FCFS ignores them).
+    tenant: str | None = None
+    weight: float = 1.0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Where this sequence's KV lives, and how many of its tokens are in it.
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    # Engine-owned extras (generator, detokenizer, text state, timings).
+    state: Any = None
+
+    # -- derived --------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV still has to be computed (1 for a plain decode step)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_id_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
