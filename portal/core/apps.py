@@ -1,0 +1,20 @@
+from pathlib import Path
+
+from django.apps import AppConfig
+from django.conf import settings
+
+
+class CoreConfig(AppConfig):
+    name = "portal.core"
+    label = "core"
+    verbose_name = "Portal core"
+
+    def ready(self) -> None:
+        # Makes the Celery app current in every Django process, so @shared_task binds to it.
+        from portal import celery  # noqa: F401
+
+        # SQLite does not create its parent directory; uploads need their root.
+        database = settings.DATABASES["default"]
+        if database["ENGINE"] == "django.db.backends.sqlite3":
+            Path(database["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(settings.STORAGE_ROOT).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,79 @@
+"""Writes that span apps: the demo data the run command creates."""
+
+from dataclasses import dataclass
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractUser
+from django.db import transaction
+
+from portal.keys.models import ApiKey
+from portal.keys.selectors import api_key_list
+from portal.keys.services import api_key_create
+from portal.tenants.models import Membership, Tenant
+from portal.tenants.selectors import membership_get, tenant_get_by_slug
+from portal.tenants.services import membership_create, membership_set_role, tenant_create
+
+DEMO_ADMIN_USERNAME = "admin"
+DEMO_TENANT_SLUG = "demo"
+DEMO_TENANT_NAME = "Demo tenant"
+DEMO_KEY_NAME = "demo"
+
+
+@dataclass(frozen=True)
+class DemoBootstrapResult:
+    admin: AbstractUser
+    admin_created: bool
+    tenant: Tenant
+    tenant_created: bool
+    api_key: ApiKey
+    plaintext_key: str | None  # None when an existing key was kept: its secret is not stored
+
+
+@transaction.atomic
+def demo_bootstrap(*, admin_password: str, new_key: bool = False) -> DemoBootstrapResult:
+    """Idempotent: a staff superuser, a demo tenant it owns, and one usable demo API key.
+
+    An existing admin keeps its password; an existing usable demo key is kept unless
+    `new_key` asks for another.
+    """
+    admin, admin_created = _demo_admin_ensure(password=admin_password)
+
+    tenant = tenant_get_by_slug(slug=DEMO_TENANT_SLUG)
+    tenant_created = tenant is None
+    if tenant is None:
+        tenant = tenant_create(slug=DEMO_TENANT_SLUG, name=DEMO_TENANT_NAME)
+
+    membership = membership_get(tenant=tenant, user=admin)
+    if membership is None:
+        membership_create(tenant=tenant, user=admin, role=Membership.Role.OWNER)
+    elif membership.role != Membership.Role.OWNER:
+        membership_set_role(membership=membership, role=Membership.Role.OWNER)
+
+    existing_key = api_key_list(tenant=tenant, usable_only=True).filter(name=DEMO_KEY_NAME).first()
+    if existing_key is not None and not new_key:
+        api_key, plaintext = existing_key, None
+    else:
+        api_key, plaintext = api_key_create(tenant=tenant, name=DEMO_KEY_NAME, created_by=admin)
+
+    return DemoBootstrapResult(
+        admin=admin,
+        admin_created=admin_created,
+        tenant=tenant,
+        tenant_created=tenant_created,
+        api_key=api_key,
+        plaintext_key=plaintext,
+    )
+
+
+def _demo_admin_ensure(*, password: str) -> tuple[AbstractUser, bool]:
+    user_model = get_user_model()
+    admin = user_model.objects.filter(username=DEMO_ADMIN_USERNAME).first()
+    if admin is None:
+        admin = user_model.objects.create_superuser(
+            username=DEMO_ADMIN_USERNAME, email="admin@localhost", password=password
+        )
+        return admin, True
+    if not (admin.is_staff and admin.is_superuser and admin.is_active):
+        admin.is_staff = admin.is_superuser = admin.is_active = True
+        admin.save(update_fields=["is_staff", "is_superuser", "is_active"])
+    return admin, False
