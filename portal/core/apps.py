@@ -13,8 +13,10 @@ class CoreConfig(AppConfig):
         # Makes the Celery app current in every Django process, so @shared_task binds to it.
         from portal import celery  # noqa: F401
 
-        # SQLite does not create its parent directory; uploads need their root.
+        # SQLite does not create its parent directory; uploads need their root; whitenoise
+        # warns at start-up when STATIC_ROOT is missing (before the first collectstatic).
         database = settings.DATABASES["default"]
         if database["ENGINE"] == "django.db.backends.sqlite3":
             Path(database["NAME"]).parent.mkdir(parents=True, exist_ok=True)
-        Path(settings.STORAGE_ROOT).mkdir(parents=True, exist_ok=True)
+        for directory in (settings.STORAGE_ROOT, settings.STATIC_ROOT):
+            Path(directory).mkdir(parents=True, exist_ok=True)
