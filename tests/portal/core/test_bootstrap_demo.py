@@ -1,0 +1,81 @@
+import re
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from portal.config import WebConfig
+from portal.keys.models import ApiKey
+from portal.keys.selectors import api_key_authenticate
+from portal.tenants.models import Membership, Tenant
+
+pytestmark = pytest.mark.django_db
+KEY_LINE = re.compile(r"^API key \(shown once\): (sk-\S+)$", re.MULTILINE)
+
+
+def bootstrap(*args: str) -> tuple[str, str]:
+    out, err = StringIO(), StringIO()
+    call_command("bootstrap_demo", *args, stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
+def test_first_run_creates_admin_tenant_and_a_working_key(django_user_model, monkeypatch):
+    monkeypatch.delenv("DEMO_ADMIN_PASSWORD", raising=False)
+
+    out, err = bootstrap()
+
+    admin = django_user_model.objects.get(username="admin")
+    assert admin.is_staff and admin.is_superuser and admin.check_password("admin")
+    assert "default password 'admin'" in err
+    tenant = Tenant.objects.get(slug="demo")
+    assert Membership.objects.get(tenant=tenant, user=admin).role == Membership.Role.OWNER
+    plaintext = KEY_LINE.search(out).group(1)
+    assert api_key_authenticate(plaintext).tenant == tenant
+
+
+def test_rerunning_keeps_everything_and_prints_no_secret(django_user_model, monkeypatch):
+    monkeypatch.setenv("DEMO_ADMIN_PASSWORD", "a-better-password")
+    first_out, first_err = bootstrap()
+    plaintext = KEY_LINE.search(first_out).group(1)
+    assert "default password" not in first_err
+
+    second_out, _ = bootstrap()
+
+    assert KEY_LINE.search(second_out) is None
+    assert f"already exists: sk-{plaintext[3:11]}…" in second_out
+    assert ApiKey.objects.count() == 1
+    assert Tenant.objects.count() == 1 and Membership.objects.count() == 1
+    assert django_user_model.objects.get(username="admin").check_password("a-better-password")
+    assert api_key_authenticate(plaintext) is not None
+
+
+def test_new_key_option_forces_another_key(monkeypatch):
+    first_out, _ = bootstrap()
+
+    second_out, _ = bootstrap("--new-key")
+
+    keys = [KEY_LINE.search(out).group(1) for out in (first_out, second_out)]
+    assert keys[0] != keys[1]
+    assert ApiKey.objects.filter(tenant__slug="demo").count() == 2
+    assert all(api_key_authenticate(key) is not None for key in keys)
+
+
+def test_a_revoked_demo_key_is_replaced(monkeypatch):
+    bootstrap()
+    ApiKey.objects.update(revoked_at="2020-01-01T00:00:00Z")
+
+    out, _ = bootstrap()
+
+    assert KEY_LINE.search(out) is not None
+    assert ApiKey.objects.filter(revoked_at__isnull=True).count() == 1
+
+
+def test_production_refuses_the_default_password(settings, monkeypatch):
+    monkeypatch.delenv("DEMO_ADMIN_PASSWORD", raising=False)
+    settings.CONFIG = WebConfig.from_env(
+        {"PORTAL_ENV": "production", "SECRET_KEY": "s" * 60, "ALLOWED_HOSTS": "portal.example.com"}
+    )
+
+    with pytest.raises(CommandError, match="DEMO_ADMIN_PASSWORD"):
+        bootstrap()
+    assert not Tenant.objects.exists()

@@ -1,0 +1,134 @@
+"""The real entry points in fresh processes: settings mapped both ways, bad values stop start-up cleanly."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+CONFIG_VARIABLES = (
+    "DATABASE_URL",
+    "REDIS_URL",
+    "SECRET_KEY",
+    "DEBUG",
+    "DJANGO_ENV",
+    "PORTAL_ENV",
+    "ALLOWED_HOSTS",
+    "CSRF_TRUSTED_ORIGINS",
+    "INFERENCE_URLS",
+    "STORAGE_ROOT",
+    "STATIC_ROOT",
+    "LOG_LEVEL",
+    "INFERENCE_ADMIN_TOKEN",
+    "MAX_UPLOAD_BYTES",
+)
+
+PRINT_SETTINGS = """
+import json
+from django.conf import settings
+from portal.celery import app
+print(json.dumps({
+    "engine": settings.DATABASES["default"]["ENGINE"],
+    "channel_layer": settings.CHANNEL_LAYERS["default"]["BACKEND"],
+    "channel_hosts": settings.CHANNEL_LAYERS["default"].get("CONFIG", {}).get("hosts"),
+    "cache": settings.CACHES["default"]["BACKEND"],
+    "celery_eager": app.conf.task_always_eager,
+    "celery_broker": app.conf.broker_url,
+}))
+"""
+
+
+def run(args: list[str], **environ: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key not in CONFIG_VARIABLES}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    env.update(environ)
+    return subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def settings_in_fresh_process(**environ: str) -> dict:
+    result = run(
+        [sys.executable, "-c", PRINT_SETTINGS], DJANGO_SETTINGS_MODULE="portal.settings", **environ
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_settings_without_services_embed_everything():
+    assert settings_in_fresh_process() == {
+        "engine": "django.db.backends.sqlite3",
+        "channel_layer": "channels.layers.InMemoryChannelLayer",
+        "channel_hosts": None,
+        "cache": "django.core.cache.backends.locmem.LocMemCache",
+        "celery_eager": True,
+        "celery_broker": "memory://",
+    }
+
+
+def test_settings_with_services_use_postgres_and_redis():
+    redis_url = "redis://127.0.0.1:6379/15"
+
+    assert settings_in_fresh_process(
+        DATABASE_URL="postgres://postgres@127.0.0.1:5432/loraplex", REDIS_URL=redis_url
+    ) == {
+        "engine": "django.db.backends.postgresql",
+        "channel_layer": "channels_redis.core.RedisChannelLayer",
+        "channel_hosts": [redis_url],
+        "cache": "django.core.cache.backends.redis.RedisCache",
+        "celery_eager": False,
+        "celery_broker": redis_url,
+    }
+
+
+def test_manage_py_with_bad_database_url_prints_one_line_and_exits_2():
+    result = run([sys.executable, "manage.py", "check"], DATABASE_URL="mysqlx://x")
+
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "config error: DATABASE_URL: unsupported scheme 'mysqlx' "
+        "(use postgres://, postgresql:// or sqlite:///PATH)"
+    ]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "variable", "value"),
+    [
+        (
+            [str(BIN / "uvicorn"), "portal.asgi:application", "--port", "0"],
+            "REDIS_URL",
+            "http://127.0.0.1:6379",
+        ),
+        (
+            [str(BIN / "celery"), "-A", "portal.celery:app", "worker", "--pool=solo"],
+            "DEBUG",
+            "maybe",
+        ),
+        ([sys.executable, "-c", "import portal.wsgi"], "LOG_LEVEL", "LOUD"),
+    ],
+    ids=["asgi-under-uvicorn", "celery-worker", "wsgi"],
+)
+def test_other_entry_points_stop_on_a_bad_setting(command, variable, value):
+    result = run(command, **{variable: value})
+
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"config error: {variable}: ")
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_production_with_debug_on_refuses_to_start():
+    result = run(
+        [sys.executable, "manage.py", "check"],
+        PORTAL_ENV="production",
+        DEBUG="1",
+        SECRET_KEY="s" * 60,
+        ALLOWED_HOSTS="portal.example.com",
+    )
+
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "config error: DEBUG: must be off in production (set DEBUG=false)"
+    ]

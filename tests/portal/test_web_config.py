@@ -1,0 +1,205 @@
+"""WebConfig built from explicit environments: defaults, real services, and every bad value."""
+
+from pathlib import Path
+
+import pytest
+
+from portal.config import (
+    DEFAULT_INFERENCE_URLS,
+    DEVELOPMENT_SECRET_KEY,
+    REPO_ROOT,
+    ConfigError,
+    WebConfig,
+)
+
+POSTGRES_URL = "postgres://postgres@127.0.0.1:5432/loraplex"
+REDIS_URL = "redis://127.0.0.1:6379/15"
+PRODUCTION = {
+    "PORTAL_ENV": "production",
+    "SECRET_KEY": "k" * 60,
+    "ALLOWED_HOSTS": "portal.example.com",
+}
+
+
+def test_empty_environment_gives_embedded_development_defaults():
+    config = WebConfig.from_env({})
+
+    assert config.environment == "development"
+    assert config.debug is True
+    assert config.secret_key == DEVELOPMENT_SECRET_KEY
+    assert config.allowed_hosts == ("localhost", "127.0.0.1", "[::1]")
+    assert config.database_backend == "sqlite"
+    assert config.django_database()["ENGINE"] == "django.db.backends.sqlite3"
+    assert config.django_database()["NAME"] == str(REPO_ROOT / "var" / "db.sqlite3")
+    assert config.redis_url is None
+    assert config.inference_urls == DEFAULT_INFERENCE_URLS
+    assert config.storage_root == REPO_ROOT / "var" / "storage"
+    assert config.log_level == "INFO"
+    assert config.inference_admin_token is None
+
+
+def test_empty_strings_count_as_unset():
+    assert WebConfig.from_env(
+        {"DATABASE_URL": "", "REDIS_URL": "", "DEBUG": ""}
+    ) == WebConfig.from_env({})
+
+
+def test_real_services_from_urls():
+    config = WebConfig.from_env({"DATABASE_URL": POSTGRES_URL, "REDIS_URL": REDIS_URL})
+
+    database = config.django_database()
+    assert config.database_backend == "postgresql"
+    assert database["ENGINE"] == "django.db.backends.postgresql"
+    assert (database["HOST"], database["PORT"], database["NAME"]) == ("127.0.0.1", 5432, "loraplex")
+    assert config.redis_url == REDIS_URL
+
+
+@pytest.mark.parametrize("scheme", ["postgres", "postgresql"])
+def test_both_postgres_schemes_are_accepted(scheme):
+    config = WebConfig.from_env({"DATABASE_URL": f"{scheme}://u:p@db:5433/portal?sslmode=require"})
+
+    database = config.django_database()
+    assert database["ENGINE"] == "django.db.backends.postgresql"
+    assert database["OPTIONS"] == {"sslmode": "require"}
+
+
+def test_relative_sqlite_and_storage_paths_are_under_the_repo_root():
+    config = WebConfig.from_env(
+        {"DATABASE_URL": "sqlite:///var/other.sqlite3", "STORAGE_ROOT": "var/s2"}
+    )
+
+    assert config.django_database()["NAME"] == str(REPO_ROOT / "var" / "other.sqlite3")
+    assert config.storage_root == REPO_ROOT / "var" / "s2"
+
+
+def test_absolute_paths_are_kept(tmp_path):
+    config = WebConfig.from_env(
+        {"DATABASE_URL": f"sqlite:///{tmp_path}/x.db", "STORAGE_ROOT": str(tmp_path / "s")}
+    )
+
+    assert Path(config.django_database()["NAME"]) == tmp_path / "x.db"
+    assert config.storage_root == tmp_path / "s"
+
+
+def test_lists_are_split_on_commas_and_trimmed():
+    config = WebConfig.from_env(
+        {
+            "ALLOWED_HOSTS": " a.example.com, b.example.com ,",
+            "CSRF_TRUSTED_ORIGINS": "https://a.example.com",
+            "INFERENCE_URLS": "http://10.0.0.1:8001/, https://gpu-2.internal:8001",
+        }
+    )
+
+    assert config.allowed_hosts == ("a.example.com", "b.example.com")
+    assert config.csrf_trusted_origins == ("https://a.example.com",)
+    assert config.inference_urls == ("http://10.0.0.1:8001", "https://gpu-2.internal:8001")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+        ("off", False),
+    ],
+)
+def test_debug_parses_strict_booleans(value, expected):
+    assert WebConfig.from_env({"DEBUG": value}).debug is expected
+
+
+def test_other_settings_are_read():
+    config = WebConfig.from_env(
+        {"LOG_LEVEL": "debug", "INFERENCE_ADMIN_TOKEN": "t0ken", "MAX_UPLOAD_BYTES": "1_000_000"}
+    )
+
+    assert (config.log_level, config.inference_admin_token, config.max_upload_bytes) == (
+        "DEBUG",
+        "t0ken",
+        1_000_000,
+    )
+
+
+@pytest.mark.parametrize(
+    ("environ", "variable", "fragment"),
+    [
+        ({"DATABASE_URL": "mysqlx://x"}, "DATABASE_URL", "unsupported scheme 'mysqlx'"),
+        ({"DATABASE_URL": "mysql://u@h/db"}, "DATABASE_URL", "unsupported scheme 'mysql'"),
+        ({"DATABASE_URL": "just-a-path.db"}, "DATABASE_URL", "unsupported scheme"),
+        ({"DATABASE_URL": "sqlite://"}, "DATABASE_URL", "needs a file path"),
+        ({"DATABASE_URL": "postgres://h:5432"}, "DATABASE_URL", "no database name"),
+        ({"REDIS_URL": "http://127.0.0.1:6379"}, "REDIS_URL", "unsupported scheme 'http'"),
+        ({"REDIS_URL": "redis://"}, "REDIS_URL", "no host"),
+        ({"REDIS_URL": "redis://h:port/0"}, "REDIS_URL", "bad port"),
+        ({"REDIS_URL": "redis://h:6379/zero"}, "REDIS_URL", "database must be a number"),
+        ({"DEBUG": "maybe"}, "DEBUG", "not a boolean: 'maybe'"),
+        ({"DJANGO_ENV": "staging"}, "DJANGO_ENV", "unknown environment 'staging'"),
+        ({"PORTAL_ENV": "prod"}, "PORTAL_ENV", "unknown environment 'prod'"),
+        ({"PORTAL_ENV": "production", "DJANGO_ENV": "development"}, "PORTAL_ENV", "disagrees"),
+        ({"INFERENCE_URLS": "127.0.0.1:8001"}, "INFERENCE_URLS", "not an http(s) URL"),
+        ({"INFERENCE_URLS": "ftp://worker"}, "INFERENCE_URLS", "not an http(s) URL"),
+        ({"INFERENCE_URLS": "http://w:80x"}, "INFERENCE_URLS", "bad port"),
+        ({"INFERENCE_URLS": " , "}, "INFERENCE_URLS", "no URL given"),
+        ({"INFERENCE_URLS": "http://a:1,http://a:1"}, "INFERENCE_URLS", "twice"),
+        (
+            {"CSRF_TRUSTED_ORIGINS": "portal.example.com"},
+            "CSRF_TRUSTED_ORIGINS",
+            "not an http(s) URL",
+        ),
+        ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL", "unknown level 'LOUD'"),
+        ({"MAX_UPLOAD_BYTES": "1GB"}, "MAX_UPLOAD_BYTES", "not an integer"),
+        ({"MAX_UPLOAD_BYTES": "0"}, "MAX_UPLOAD_BYTES", "must be positive"),
+    ],
+)
+def test_malformed_values_raise_config_error_naming_the_variable(environ, variable, fragment):
+    with pytest.raises(ConfigError) as caught:
+        WebConfig.from_env(environ)
+
+    assert caught.value.variable == variable
+    assert str(caught.value).startswith(f"{variable}: ")
+    assert fragment in caught.value.message
+
+
+def test_production_defaults_debug_off():
+    config = WebConfig.from_env(PRODUCTION)
+
+    assert config.is_production and config.debug is False
+
+
+@pytest.mark.parametrize("variable", ["PORTAL_ENV", "DJANGO_ENV"])
+def test_production_refuses_debug(variable):
+    environ = {**PRODUCTION, "PORTAL_ENV": "", variable: "production", "DEBUG": "true"}
+
+    with pytest.raises(ConfigError, match="must be off in production") as caught:
+        WebConfig.from_env(environ)
+    assert caught.value.variable == "DEBUG"
+
+
+@pytest.mark.parametrize("secret", [None, DEVELOPMENT_SECRET_KEY])
+def test_production_refuses_the_development_secret_key(secret):
+    environ = {key: value for key, value in PRODUCTION.items() if key != "SECRET_KEY"}
+    if secret is not None:
+        environ["SECRET_KEY"] = secret
+
+    with pytest.raises(ConfigError, match="development secret key") as caught:
+        WebConfig.from_env(environ)
+    assert caught.value.variable == "SECRET_KEY"
+
+
+def test_production_requires_allowed_hosts():
+    environ = {key: value for key, value in PRODUCTION.items() if key != "ALLOWED_HOSTS"}
+
+    with pytest.raises(ConfigError) as caught:
+        WebConfig.from_env(environ)
+    assert caught.value.variable == "ALLOWED_HOSTS"
+
+
+def test_config_is_frozen():
+    config = WebConfig.from_env({})
+
+    with pytest.raises(AttributeError):
+        config.debug = False  # type: ignore[misc]
