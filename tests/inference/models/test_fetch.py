@@ -80,6 +80,7 @@ def test_a_corrupted_file_is_detected_and_replaced(fetched: Path, tmp_path: Path
 def test_an_unreachable_registry_gives_one_clear_line(tmp_path: Path) -> None:
     env = dict(os.environ)
     env.update(
+        PIP_CONFIG_FILE=os.devnull,  # ignore the machine's pip.conf (its local mirrors)
         PIP_INDEX_URL="http://127.0.0.1:9/",
         PIP_EXTRA_INDEX_URL="",
         PIP_FIND_LINKS="",
