@@ -1,0 +1,121 @@
+"""The inference process's configuration: one typed dataclass, every field from the
+environment (INFERENCE_*) with a safe default, command-line flags on top.
+
+Bad values raise `ConfigError` naming the variable; the CLI prints that one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("bfloat16", "float32", "float16")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class ConfigError(ValueError):
+    def __init__(self, variable: str, message: str) -> None:
+        super().__init__(f"{variable}: {message}")
+        self.variable = variable
+
+
+def parse_memory(variable: str, value: str | int | float) -> int | float:
+    """`"1GiB"`, `"512MiB"`, `1073741824` → bytes (int); `"0.25"` → a fraction (float) of free memory."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        text = str(value)
+    else:
+        text = str(value).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(variable, f"expected bytes like '1GiB', '512MiB' or a fraction like '0.3', got {value!r}")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "" and "." in m.group(1):
+        if not 0 < number <= 0.95:
+            raise ConfigError(variable, f"a fraction of free memory must be in (0, 0.95], got {value!r}")
+        return number
+    size = int(number * _UNITS[unit])
+    if size < 1 << 20:
+        raise ConfigError(variable, f"at least 1MiB is needed, got {value!r}")
+    return size
+
+
+def _parse_int(variable: str, value: str, minimum: int) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(variable, f"expected an integer, got {value!r}") from None
+    if number < minimum:
+        raise ConfigError(variable, f"must be >= {minimum}, got {number}")
+    return number
+
+
+def _parse_bool(variable: str, value: str) -> bool:
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(variable, f"expected true/false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "bfloat16"  # bf16 is the CPU default: about 2x fp32 throughput
+    device: str = "cpu"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length
+    block_size: int = 16
+    kv_cache_memory: int | float = 1 << 30  # bytes, or a fraction of free memory
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ConfigError("device", f"expected 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 16), ("block_size", 1)):
+            if getattr(self, name) < minimum:
+                raise ConfigError(name, f"must be >= {minimum}, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory", parse_memory("kv_cache_memory", self.kv_cache_memory))
+
+    @property
+    def model_path(self) -> Path:
+        # Relative paths resolve against the working directory, then the repository root.
+        path = Path(self.model).expanduser()
+        if not path.is_absolute() and not path.exists() and (ROOT / path).exists():
+            return ROOT / path
+        return path
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> EngineConfig:
+        """Read INFERENCE_<FIELD> variables; keyword overrides (CLI flags) win when not None."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            var = f"INFERENCE_{f.name.upper()}"
+            if var not in env or env[var] == "":
+                continue
+            raw = env[var]
+            if f.name in ("model", "dtype", "device"):
+                values[f.name] = raw
+            elif f.name == "kv_cache_memory":
+                values[f.name] = parse_memory(var, raw)
+            elif f.name == "enable_chunked_prefill":
+                values[f.name] = _parse_bool(var, raw)
+            else:
+                values[f.name] = _parse_int(var, raw, minimum=0 if f.name == "seed" else 1)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

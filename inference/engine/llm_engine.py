@@ -1,0 +1,294 @@
+"""The engine: one model, a paged KV cache and a step loop that reads like the spec.
+
+    step():  schedule  →  run the model on the flattened batch  →  sample  →  postprocess
+             (admit / preempt)   (prefill chunks + decodes)        (per row)   (detokenize, stop, free)
+
+Requests are validated when they are added (a ValueError naming the field), so a bad
+request never disturbs the ones already running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from inference.config import EngineConfig
+from inference.engine.attention import allocate_kv_cache
+from inference.engine.block_manager import BlockManager
+from inference.engine.detokenizer import IncrementalDetokenizer
+from inference.engine.model_runner import ModelRunner
+from inference.engine.outputs import RequestOutput, TokenLogprob, Usage
+from inference.engine.sampler import Sampler, SamplingBatch
+from inference.engine.sampling_params import SamplingParams
+from inference.engine.scheduler import Scheduler, SchedulerConfig
+from inference.engine.sequence import FinishReason, Sequence
+from inference.engine.stop_checker import StopChecker
+from inference.models.loader import load_model
+from inference.models.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class _SeqState:
+    """Engine-side extras of a sequence (kept off `Sequence` so it stays plain Python)."""
+
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    emitted_chars: int = 0  # visible text already handed out
+    emitted_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    first_token_time: float | None = None
+
+
+@dataclass
+class EngineStats:
+    """Running totals since start (the server's metrics read these)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of finished prefills (recomputes not double-counted)
+    generation_tokens: int = 0
+
+
+def kv_cache_num_blocks(config: EngineConfig, model_config, dtype: torch.dtype) -> int:
+    """How many KV blocks the memory budget buys: K and V, every layer, block_size tokens."""
+    bytes_per_block = (
+        2 * model_config.num_hidden_layers * config.block_size
+        * model_config.num_key_value_heads * model_config.head_dim * dtype.itemsize
+    )
+    budget = config.kv_cache_memory
+    if isinstance(budget, float):  # a fraction of the memory free right now
+        if config.device.startswith("cuda"):
+            free = torch.cuda.mem_get_info(torch.device(config.device))[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = int(free * budget)
+    return max(1, budget // bytes_per_block)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        path = config.model_path
+        self.model = load_model(path, dtype=self.dtype, device=self.device, progress=progress)
+        self.model_config = self.model.config
+        self.tokenizer: Tokenizer = load_tokenizer(path)
+        self.model_name = self.model_config.name or path.stem
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+
+        num_blocks = kv_cache_num_blocks(config, self.model_config, self.dtype)
+        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.sampler = Sampler()
+        self._ids = itertools.count()
+        self._aborted: list[Sequence] = []
+        self.stats = EngineStats()
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB)",
+            num_blocks, config.block_size, self.block_manager.capacity_tokens,
+            sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches) / 2**20,
+        )
+
+    # -- requests ---------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+        request_id: str | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError naming the field."""
+        params = params or SamplingParams()
+        prompt_ids = self._prompt_token_ids(prompt, messages)
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens do not fit the context length of "
+                f"{self.max_model_len} (at least one output token must fit)"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request_id: {request_id!r} is already in the engine")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_model_len=self.max_model_len,
+            tenant=tenant,
+            weight=weight,
+        )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.tokenizer.stop_token_ids
+        seq.state = _SeqState(
+            generator=generator,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+            stop=StopChecker(params.stop, stop_ids, params.include_stop_str_in_output),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.scheduler.add(seq)
+        return request_id
+
+    def _prompt_token_ids(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("prompt: give exactly one of a prompt or chat messages")
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt: token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        return ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now, freeing its KV blocks; its final output comes with the next step."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._aborted.append(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # -- the step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted.clear()
+
+        decision = self.scheduler.schedule()
+        if not decision:
+            return outputs
+        to_sample = [s.seq for s in decision.scheduled if s.samples]
+        logits = self.runner.execute(decision.scheduled)  # [len(to_sample), vocab]
+        self.scheduler.on_step_done(decision.scheduled)
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(decision.preempted)
+        self.stats.generation_tokens += len(to_sample)
+        self.stats.prompt_tokens += sum(s.num_prompt_tokens for s in to_sample if not s.output_token_ids)
+        if not to_sample:
+            return outputs
+
+        batch = SamplingBatch.build(
+            params=[seq.params for seq in to_sample],
+            prompt_ids=[seq.prompt_token_ids for seq in to_sample],
+            output_ids=[seq.output_token_ids for seq in to_sample],
+            generators=[seq.state.generator for seq in to_sample],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        sampled = self.sampler(logits, batch)
+        token_ids = sampled.token_ids.tolist()
+        chosen_logprobs = sampled.logprobs.tolist() if any(s.params.logprobs is not None for s in to_sample) else None
+        top = None
+        if sampled.top_logprobs is not None:
+            top = (sampled.top_logprobs[0].tolist(), sampled.top_logprobs[1].tolist())
+
+        now = time.monotonic()
+        for row, (seq, token_id) in enumerate(zip(to_sample, token_ids, strict=True)):
+            state: _SeqState = seq.state
+            seq.output_token_ids.append(token_id)
+            if state.first_token_time is None:
+                state.first_token_time = now
+            if state.logprobs is not None:
+                k = seq.params.logprobs or 0
+                alternatives = tuple(zip(top[0][row][:k], top[1][row][:k], strict=True)) if top and k else ()
+                state.logprobs.append(TokenLogprob(token_id, chosen_logprobs[row], alternatives))
+            reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        state: _SeqState = seq.state
+        prev_len = len(state.detokenizer.text)
+        state.detokenizer.add(token_id)
+        if state.stop.on_token(token_id, state.detokenizer.text, prev_len):
+            return FinishReason.STOP
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return FinishReason.LENGTH
+        # The context length, or all the KV cache there is: the sequence cannot grow further.
+        if seq.num_tokens >= min(self.max_model_len, self.block_manager.capacity_tokens):
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state: _SeqState = seq.state
+        finished = seq.is_finished
+        if finished:
+            state.detokenizer.flush()
+        text = state.stop.visible_text(state.detokenizer.text, finished)
+        delta = text[state.emitted_chars :]
+        state.emitted_chars = len(text)
+        new_ids = seq.output_token_ids[state.emitted_tokens :]
+        new_logprobs = state.logprobs[state.emitted_tokens :] if state.logprobs is not None else None
+        state.emitted_tokens = seq.num_output_tokens
+        now = time.monotonic()
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            delta_text=delta,
+            delta_token_ids=new_ids,
+            finished=finished,
+            finish_reason=str(seq.finish_reason) if finished else None,
+            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens),
+            delta_logprobs=new_logprobs,
+            time_to_first_token=(state.first_token_time - seq.arrival_time) if state.first_token_time else None,
+            latency=(now - seq.arrival_time) if finished else None,
+        )
+
+    # -- convenience --------------------------------------------------------------
+    def run_until_done(self, request_ids: Seq[str]) -> dict[str, RequestOutput]:
+        """Step until every request in `request_ids` finished; returns their final outputs."""
+        pending, done = set(request_ids), {}
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    done[out.request_id] = out
+                    pending.discard(out.request_id)
+        return done

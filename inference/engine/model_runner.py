@@ -1,0 +1,78 @@
+"""Turns the scheduler's decision into one forward pass over a flattened batch.
+
+Every scheduled sequence contributes its new tokens back to back:
+
+    tokens     [T]  seq0's chunk | seq1's decode token | seq2's chunk | ...
+    positions  [T]  where each token sits in its sequence
+    lora_slots [T]  adapter slot per token (-1: base model) — consumed by the multi-LoRA layers
+
+Attention metadata (block tables, slot mapping, masks) is built once here and shared by
+every layer. Only sequences whose chunk reaches their end are sampled, so logits are
+computed for those rows alone: [num_sampled, vocab].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.engine.attention import AttentionMetadata, build_attention_metadata
+from inference.engine.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    lora_slots: torch.Tensor  # [T] long, -1 = no adapter
+    attn_meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] long: index into T of each sampled sequence's last token
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        lora_slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for s in scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids += seq.token_ids_slice(start, end)
+            positions += range(start, end)
+            lora_slots += [seq.lora_slot] * s.num_new_tokens
+            seq_lens.append(end)
+            query_lens.append(s.num_new_tokens)
+            block_tables.append(seq.block_table)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return BatchInputs(
+            input_ids=tensor(input_ids),
+            positions=tensor(positions),
+            lora_slots=tensor(lora_slots),
+            attn_meta=build_attention_metadata(
+                seq_lens, query_lens, block_tables, self.block_size, self.device
+            ),
+            sample_rows=tensor(sample_rows),
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the model; return float32 logits [num_sampled, vocab] in `scheduled` order."""
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]

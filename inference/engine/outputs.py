@@ -1,0 +1,41 @@
+"""What the engine hands back each step, per request (also the streaming unit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely alternatives at this position, best first: [(token_id, logprob)].
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    text: str  # visible output text so far (stop strings removed)
+    delta_text: str  # visible text new since the previous output of this request
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    usage: Usage
+    delta_logprobs: list[TokenLogprob] | None = None
+    # Seconds since arrival: first token, and finish (None until then).
+    time_to_first_token: float | None = None
+    latency: float | None = None
+    extra: dict = field(default_factory=dict)
