@@ -1,0 +1,51 @@
+# Two commands set up and use the platform on a fresh machine (see README.md):
+#   make run    virtualenv, install, fetch the default model, migrate, demo data, start every process
+#   make test   virtualenv, install (with dev extras), start PostgreSQL/Redis if needed, run the suite
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+# The test command talks to real services; these defaults match a local install.
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/loraplex
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+
+.PHONY: run test lint model install install-dev clean
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install --quiet -e .
+	@touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(PY)
+	$(PIP) install --quiet -e ".[dev]"
+	@touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+model: $(VENV)/.installed
+	$(PY) -m inference.models fetch
+
+run: $(VENV)/.installed
+	$(PY) deploy/local/run.py
+
+test: $(VENV)/.installed-dev
+	@bash deploy/local/ensure-services.sh "$${DATABASE_URL:-$(TEST_DATABASE_URL)}" "$${REDIS_URL:-$(TEST_REDIS_URL)}"
+	$(PY) -m inference.models fetch
+	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
+		$(VENV)/bin/lint-imports
+	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
+		$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
