@@ -33,6 +33,29 @@ def step(title: str, *cmd: str) -> None:
         sys.exit(result.returncode)
 
 
+def ensure_postgres_database() -> None:
+    """Create the PostgreSQL database DATABASE_URL names if the server lacks it (first run)."""
+    url = os.environ.get("DATABASE_URL", "")
+    if not url.startswith(("postgres://", "postgresql://")):
+        return
+    import dj_database_url
+    import psycopg
+    from psycopg import sql
+
+    db = dj_database_url.parse(url)
+    params = {k: v for k, v in (("host", db["HOST"]), ("port", db["PORT"]), ("user", db["USER"]),
+                                ("password", db["PASSWORD"])) if v}
+    try:
+        with psycopg.connect(dbname="postgres", autocommit=True, connect_timeout=5, **params) as conn:
+            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (db["NAME"],)).fetchone():
+                return
+            print(f"==> creating PostgreSQL database {db['NAME']!r}", flush=True)
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db["NAME"])))
+    except psycopg.Error as exc:
+        print(f"run: DATABASE_URL: cannot prepare database {db['NAME']!r}: {exc}".strip(), file=sys.stderr)
+        sys.exit(2)
+
+
 def processes() -> dict[str, str]:
     procs = {
         "web": f"{PY} -m uvicorn portal.asgi:application --host {WEB_HOST} --port {WEB_PORT}",
@@ -44,6 +67,7 @@ def processes() -> dict[str, str]:
 
 def main() -> int:
     step("fetching the default model", PY, "-m", "inference.models", "fetch")
+    ensure_postgres_database()
     step("applying database migrations", PY, "manage.py", "migrate", "--noinput")
     step("collecting static files", PY, "manage.py", "collectstatic", "--noinput", "--verbosity", "0")
     step("creating the demo user, tenant and API key", PY, "manage.py", "bootstrap_demo")
