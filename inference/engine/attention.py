@@ -92,9 +92,10 @@ def allocate_kv_cache(
 
 # --- metadata ------------------------------------------------------------------------------
 
-# Decode rows are split into length groups when that saves more padded context than this
-# many tokens per extra SDPA call (a call costs about as much as this much padded KV).
-_GROUP_SPLIT_MIN_SAVING = 4096
+# Decode rows are split into length groups when that saves at least this many padded context
+# tokens per extra group (one group's fixed cost, a handful of ops per layer, is about what
+# attending over a few hundred padded tokens costs on a CPU).
+_GROUP_SPLIT_MIN_SAVING = 512
 
 
 def build_attention_metadata(
@@ -173,27 +174,25 @@ def build_attention_metadata(
 
 
 def _split_by_length(ids: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
-    """Sort decode sequences by length and cut where a separate group saves enough padding."""
+    """Group decode sequences by length: sort, then cut in two where that saves the most padded
+    context, recursively, while a cut saves at least _GROUP_SPLIT_MIN_SAVING tokens."""
     if not ids:
         return []
     ids = sorted(ids, key=lambda i: seq_lens[i])
-    blocks = [-(-seq_lens[i] // block_size) for i in ids]  # ceil
-    groups: list[list[int]] = []
-    start = 0
-    while start < len(ids):
-        # padded cost of [start:] as one group vs cutting it at the best point
-        end, best_saving = len(ids), 0
-        whole = (len(ids) - start) * blocks[-1]
-        for cut in range(start + 1, len(ids)):
-            split = (cut - start) * blocks[cut - 1] + (len(ids) - cut) * blocks[-1]
-            saving = (whole - split) * block_size
-            if saving > best_saving:
-                end, best_saving = cut, saving
-        if best_saving < _GROUP_SPLIT_MIN_SAVING:
-            end = len(ids)
-        groups.append(sorted(ids[start:end]))  # back in row order: rows stay a slice if they can
-        start = end
-    return groups
+    blocks = [-(-seq_lens[i] // block_size) for i in ids]  # ceil, ascending
+
+    def split(lo: int, hi: int) -> list[list[int]]:  # ids[lo:hi] padded to blocks[hi - 1]
+        whole = (hi - lo) * blocks[hi - 1]
+        best_cut, best_cost = hi, whole
+        for cut in range(lo + 1, hi):
+            cost = (cut - lo) * blocks[cut - 1] + (hi - cut) * blocks[hi - 1]
+            if cost < best_cost:
+                best_cut, best_cost = cut, cost
+        if best_cut == hi or (whole - best_cost) * block_size < _GROUP_SPLIT_MIN_SAVING:
+            return [sorted(ids[lo:hi])]  # back in row order: rows stay a slice if they can
+        return split(lo, best_cut) + split(best_cut, hi)
+
+    return split(0, len(ids))
 
 
 def _decode_group(ids, seq_lens, loc, table, lens, block_size, device) -> DecodeGroup:

@@ -31,6 +31,47 @@ from inference.models.config import LlamaConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, n_kv_heads, head_dim]
 
 
+def _cpu_has_bf16_matmul() -> bool:
+    try:  # oneDNN's bf16 kernels need AVX512-BF16 or AMX; torch routes bf16 matmul there if present
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+CPU_HAS_BF16_MATMUL = _cpu_has_bf16_matmul()
+# Without bf16 units (AVX2 only) torch's bf16 GEMM runs 5-8x slower than fp32. A product of a
+# few rows is bound by reading the weight, where bf16's half size wins; from this many rows on,
+# the weight is upcast to fp32 a slab at a time (the slab stays in cache for its GEMM, so
+# memory traffic stays that of bf16). Both paths accumulate in fp32 and round the result to bf16.
+BF16_UPCAST_MIN_ROWS = 5
+UPCAST_SLAB_ROWS = 512
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except multi-row bf16 products on CPUs without bf16 matmul units (see above)."""
+    if (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and not CPU_HAS_BF16_MATMUL
+        and x.shape[0] >= BF16_UPCAST_MIN_ROWS
+    ):
+        return _linear_fp32_slabs(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _linear_fp32_slabs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    x32 = x.float()  # [T, in]
+    out = x32.new_empty(x.shape[0], weight.shape[0])  # [T, out] fp32
+    for i in range(0, weight.shape[0], UPCAST_SLAB_ROWS):
+        slab = weight[i : i + UPCAST_SLAB_ROWS].float()  # [rows, in]
+        torch.matmul(x32, slab.t(), out=out[:, i : i + UPCAST_SLAB_ROWS])
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
 class Linear(nn.Module):
     """y = x·Wᵀ (+ b), weight [out_features, in_features].
 
@@ -51,7 +92,7 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -253,4 +294,4 @@ class LlamaForCausalLM(nn.Module):
         self, hidden: torch.Tensor
     ) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
