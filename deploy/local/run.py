@@ -61,7 +61,7 @@ def processes() -> dict[str, str]:
         "web": f"{PY} -m uvicorn portal.asgi:application --host {WEB_HOST} --port {WEB_PORT}",
     }
     if os.environ.get("REDIS_URL"):
-        procs["worker"] = f"{PY} -m celery -A portal.celery worker --beat --loglevel INFO --concurrency 2"
+        procs["worker"] = f"{PY} -m celery -A portal.celery worker --beat --schedule var/celerybeat-schedule --loglevel INFO --concurrency 2"
     return procs
 
 
