@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from inference.config import EngineConfig  # noqa: E402
+from inference.models.fetch import default_model_path  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -126,7 +127,7 @@ def matmul_flops_per_token(cfg) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--model", default=str(default_model_path()))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=64)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from inference.models.fetch import default_model_path
+
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("bfloat16", "float32", "float16")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -66,7 +67,8 @@ def _parse_bool(variable: str, value: str) -> bool:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL
+    # A .gguf file or an HF checkpoint directory; default: the fetched SmolLM2 (MODELS_DIR).
+    model: str = field(default_factory=lambda: str(default_model_path()))
     dtype: str = "bfloat16"  # bf16 is the CPU default: about 2x fp32 throughput
     device: str = "cpu"
     max_num_seqs: int = 128
@@ -117,5 +119,13 @@ class EngineConfig:
                 values[f.name] = _parse_bool(var, raw)
             else:
                 values[f.name] = _parse_int(var, raw, minimum=0 if f.name == "seed" else 1)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        from_env = set(values) - set(given)
+        values.update(given)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            if exc.variable in from_env:  # name the variable the user set
+                message = str(exc).split(": ", 1)[1]
+                raise ConfigError(f"INFERENCE_{exc.variable.upper()}", message) from None
+            raise

@@ -84,6 +84,9 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         path = config.model_path
+        if not path.exists():
+            hint = " (fetch the default model: python -m inference.models fetch)" if path.suffix == ".gguf" else ""
+            raise FileNotFoundError(f"model: {path} does not exist{hint}")
         self.model = load_model(path, dtype=self.dtype, device=self.device, progress=progress)
         self.model_config = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(path)

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from inference.config import DEFAULT_MODEL, ROOT
+from inference.models.fetch import default_model_path
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    path = ROOT / DEFAULT_MODEL
+    path = default_model_path()
     if not path.exists():
         pytest.fail(f"{path} is missing: run `python -m inference.models fetch` (make test does)")
     return path
