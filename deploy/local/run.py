@@ -27,8 +27,9 @@ WEB_PORT = os.environ.get("WEB_PORT", "8000")
 def step(title: str, *cmd: str) -> None:
     print(f"==> {title}", flush=True)
     result = subprocess.run(cmd, cwd=ROOT)
+    if result.returncode == 2:  # a configuration error: its one line is already printed
+        sys.exit(2)
     if result.returncode != 0:
-        # The failing command already printed its one-line reason.
         print(f"run: '{title}' failed (exit {result.returncode}); nothing was started", file=sys.stderr)
         sys.exit(result.returncode)
 
@@ -66,6 +67,7 @@ def processes() -> dict[str, str]:
 
 
 def main() -> int:
+    step("checking the configuration", PY, "manage.py", "check")
     step("fetching the default model", PY, "-m", "inference.models", "fetch")
     ensure_postgres_database()
     step("applying database migrations", PY, "manage.py", "migrate", "--noinput")
