@@ -38,8 +38,9 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	@bash deploy/local/ensure-services.sh "$${DATABASE_URL:-$(TEST_DATABASE_URL)}" "$${REDIS_URL:-$(TEST_REDIS_URL)}"
 	$(PY) -m inference.models fetch
+	$(VENV)/bin/ruff check .
 	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
-		$(VENV)/bin/lint-imports
+		$(VENV)/bin/lint-imports --no-cache
 	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
 		$(VENV)/bin/pytest $(PYTEST_ARGS)
 

@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference.config import EngineConfig  # noqa: E402
-from inference.models.fetch import default_model_path  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
+from inference.models.fetch import default_model_path  # noqa: E402
 from inference.models.llama import linear  # noqa: E402
 
 WORDS = (

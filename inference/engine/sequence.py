@@ -22,13 +22,10 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # client went away or an explicit abort
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(eq=False)
