@@ -1,0 +1,1 @@
+"""Multi-LoRA: adapter format and validation (adapter.py, validation.py), cache, LoRA layers."""
