@@ -1,0 +1,183 @@
+"""Per-step LoRA batch metadata: which tokens use which adapter slot, grouped for the kernels.
+
+Built once per engine step (shared by every LoRA-wrapped layer of every decoder block) from
+the per-token slot list the model runner produces:
+
+    token_slots [T]  = 2, -1, 0, 2, 0          (-1: the token runs on the base model only)
+    slot_ranks  [L]  = 8, 0, 16                (0: an empty slot)
+
+    sorted_token_ids = 2, 4, 0, 3, 1           tokens ordered by slot (stable), slot -1 last
+    segments         = (start 0, length 2, slot 0, rank 8), (start 2, length 2, slot 2, rank 16)
+    tiles (block_m)  = each segment cut into pieces of at most block_m tokens (Triton grid axis 0)
+
+The Triton kernels read the int32 device tensors; the torch CPU path reads `segments`
+(Python ints and per-segment index tensors, so it never calls `.item()`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+DEFAULT_BLOCK_M = 16  # tokens per Triton tile; tl.dot needs >= 16 rows
+
+
+class Segment(NamedTuple):
+    """Tokens of one adapter slot (host-side copy for the torch path)."""
+
+    start: int  # offset into sorted_token_ids
+    length: int  # number of tokens, >= 1
+    slot: int  # adapter slot, 0 <= slot < max_loras
+    rank: int  # that slot's rank, >= 1
+    token_ids: torch.Tensor  # [length] long: its rows of x / out (a view of lora_token_ids)
+    token_range: tuple[int, int] | None  # (lo, hi) when token_ids == range(lo, hi), else None
+
+
+@dataclass(frozen=True, eq=False)
+class LoRABatchMetadata:
+    """Everything the shrink/expand kernels need about one step's batch (see module docstring).
+
+    Shapes: T = num_tokens, L = max_loras, S = number of segments, N = number of tiles.
+    Device tensors live on `device`; int32 tensors are what the Triton kernels index with.
+    """
+
+    num_tokens: int  # T
+    max_loras: int  # L
+    block_m: int  # tokens per tile
+    device: torch.device
+    token_slots: torch.Tensor  # [T] long: slot per token, -1 = no adapter
+    slot_ranks: torch.Tensor  # [L] long: rank per slot, 0 = empty
+    sorted_token_ids: torch.Tensor  # [T] int32: token indices by slot (stable), slot -1 last
+    num_lora_tokens: int  # tokens with an adapter: the first ones of sorted_token_ids
+    lora_token_ids: torch.Tensor  # [num_lora_tokens] long: those tokens, for torch index ops
+    segment_starts: torch.Tensor  # [S] int32: offset of each segment into sorted_token_ids
+    segment_lengths: torch.Tensor  # [S] int32
+    segment_slots: torch.Tensor  # [S] int32
+    segment_ranks: torch.Tensor  # [S] int32
+    tile_info: torch.Tensor  # [N, 4] int32: (start, length <= block_m, slot, rank) per tile
+    segments: tuple[Segment, ...]  # host copy of the segments, in slot order
+    max_rank: int  # largest rank among the segments (0 when no token has an adapter)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_info.shape[0]
+
+    @property
+    def has_lora(self) -> bool:
+        """False when no token of the step has an adapter: callers skip the LoRA delta."""
+        return self.num_lora_tokens > 0
+
+
+def build_lora_metadata(
+    token_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    block_m: int = DEFAULT_BLOCK_M,
+    device: torch.device | str | None = None,
+) -> LoRABatchMetadata:
+    """Group a step's tokens by adapter slot.
+
+    token_slots: [T] integer tensor, the adapter slot of each token (-1 = none).
+    slot_ranks:  [max_loras] integer tensor, the rank of the adapter in each slot (0 = empty).
+    block_m:     tokens per Triton tile (a power of two >= 16); the launchers use this value.
+    device:      where the tensors go (default: token_slots' device). The grouping itself
+                 is computed on the host, where the scheduler's slot list comes from.
+    Raises ValueError naming the argument on bad input, including a token whose slot is
+    empty (rank 0) or out of range.
+    """
+    _check_int_vector("token_slots", token_slots)
+    _check_int_vector("slot_ranks", slot_ranks)
+    if slot_ranks.numel() == 0:
+        raise ValueError("slot_ranks must have at least one slot (max_loras >= 1)")
+    if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
+    device = torch.device(device) if device is not None else token_slots.device
+
+    slots = token_slots.detach().to("cpu", torch.long)  # [T]
+    ranks = slot_ranks.detach().to("cpu", torch.long)  # [L]
+    max_loras = ranks.numel()
+    if bool((ranks < 0).any()):
+        raise ValueError(f"slot_ranks must be >= 0, got {ranks.tolist()}")
+    bad = (slots < -1) | (slots >= max_loras)
+    if bool(bad.any()):
+        token = int(bad.nonzero()[0])
+        raise ValueError(f"token_slots[{token}] = {int(slots[token])} is outside [-1, {max_loras})")
+    has_adapter = slots >= 0  # [T]
+    empty = has_adapter & (ranks[slots.clamp(min=0)] == 0)
+    if bool(empty.any()):
+        token = int(empty.nonzero()[0])
+        raise ValueError(
+            f"token_slots[{token}] = {int(slots[token])} names an empty slot (slot_ranks is 0)"
+        )
+
+    # Stable sort keeps each sequence's tokens in order inside its segment; -1 sorts last.
+    order = torch.argsort(torch.where(has_adapter, slots, max_loras), stable=True)  # [T]
+    counts = torch.bincount(slots[has_adapter], minlength=max_loras).tolist()  # [L]
+    rank_list = ranks.tolist()
+    order_dev = order.to(device)
+    device = order_dev.device  # "cuda" -> "cuda:0", so device checks compare like with like
+
+    seg_rows: list[tuple[int, int, int, int]] = []  # (start, length, slot, rank)
+    tile_rows: list[tuple[int, int, int, int]] = []
+    segments: list[Segment] = []
+    start = 0
+    for slot, length in enumerate(counts):
+        if length == 0:
+            continue
+        rank = rank_list[slot]
+        seg_rows.append((start, length, slot, rank))
+        for tile_start in range(start, start + length, block_m):
+            tile_len = min(block_m, start + length - tile_start)
+            tile_rows.append((tile_start, tile_len, slot, rank))
+        ids = order[start : start + length]
+        lo, hi = int(ids[0]), int(ids[-1]) + 1
+        token_range = (lo, hi) if hi - lo == length else None  # stable sort: ascending ids
+        segments.append(
+            Segment(start, length, slot, rank, order_dev[start : start + length], token_range)
+        )
+        start += length
+
+    # One host->device copy for all the small int32 tables.
+    num_segs, num_tiles = len(seg_rows), len(tile_rows)
+    seg_columns = [v for column in zip(*seg_rows, strict=True) for v in column]  # 4 x S
+    tile_values = [v for row in tile_rows for v in row]  # N x 4
+    num_tokens = slots.numel()
+    table = torch.cat(
+        (order.to(torch.int32), torch.tensor(seg_columns + tile_values, dtype=torch.int32))
+    ).to(device)
+    sorted_token_ids = table[:num_tokens]  # [T]
+    seg_table = table[num_tokens : num_tokens + num_segs * 4].view(4, num_segs)  # [4, S]
+    tile_info = table[num_tokens + num_segs * 4 :].view(num_tiles, 4)  # [N, 4]
+
+    return LoRABatchMetadata(
+        num_tokens=num_tokens,
+        max_loras=max_loras,
+        block_m=block_m,
+        device=device,
+        token_slots=token_slots.to(device, torch.long),
+        slot_ranks=slot_ranks.to(device, torch.long),
+        sorted_token_ids=sorted_token_ids,
+        num_lora_tokens=start,
+        lora_token_ids=order_dev[:start],
+        segment_starts=seg_table[0],
+        segment_lengths=seg_table[1],
+        segment_slots=seg_table[2],
+        segment_ranks=seg_table[3],
+        tile_info=tile_info,
+        segments=tuple(segments),
+        max_rank=max((row[3] for row in seg_rows), default=0),
+    )
+
+
+def _check_int_vector(name: str, value: object) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {value.dtype}")
