@@ -10,8 +10,10 @@ the per-token slot list the model runner produces:
     segments         = (start 0, length 2, slot 0, rank 8), (start 2, length 2, slot 2, rank 16)
     tiles (block_m)  = each segment cut into pieces of at most block_m tokens (Triton grid axis 0)
 
-The Triton kernels read the int32 device tensors; the torch CPU path reads `segments`
-(Python ints and per-segment index tensors, so it never calls `.item()`).
+The Triton kernels read the int32 device tensors. The torch path (CPU) reads host-side
+Python ints and long index tensors, so it never calls `.item()`: long segments are multiplied
+one by one (`long_segments`), short ones (decode tokens) together as one zero-padded batch
+(`padded`), because on a CPU each small matmul costs more in call overhead than in FLOPs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import NamedTuple
 import torch
 
 DEFAULT_BLOCK_M = 16  # tokens per Triton tile; tl.dot needs >= 16 rows
+# Torch path: segments shorter than this go into the padded batch (bench/lora_cpu_paths.py).
+DEFAULT_PADDED_MAX_LEN = 32
 
 
 class Segment(NamedTuple):
@@ -33,6 +37,19 @@ class Segment(NamedTuple):
     rank: int  # that slot's rank, >= 1
     token_ids: torch.Tensor  # [length] long: its rows of x / out (a view of lora_token_ids)
     token_range: tuple[int, int] | None  # (lo, hi) when token_ids == range(lo, hi), else None
+
+
+class PaddedBatch(NamedTuple):
+    """Short segments laid out as G slots x m rows for two batched matmuls (torch path)."""
+
+    slots: torch.Tensor  # [G] long: the segments' slots, ascending
+    all_slots: bool  # slots == 0..max_loras-1: the stacked weights serve as they are
+    max_len: int  # m: the longest of these segments
+    max_rank: int  # the largest of their ranks
+    token_ids: torch.Tensor  # [n] long: their tokens' rows of x / out
+    pad_rows: torch.Tensor  # [n] long: each token's row in the [G * m] padded batch
+    pad_src: torch.Tensor  # [G * m] long: the row of x each padded row copies; padding rows
+    #                        repeat the segment's first token (computed, then never read)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +75,8 @@ class LoRABatchMetadata:
     segment_ranks: torch.Tensor  # [S] int32
     tile_info: torch.Tensor  # [N, 4] int32: (start, length <= block_m, slot, rank) per tile
     segments: tuple[Segment, ...]  # host copy of the segments, in slot order
+    long_segments: tuple[Segment, ...]  # torch path: segments multiplied one by one
+    padded: PaddedBatch | None  # torch path: the other segments, batched (None: there are none)
     max_rank: int  # largest rank among the segments (0 when no token has an adapter)
 
     @property
@@ -79,6 +98,7 @@ def build_lora_metadata(
     slot_ranks: torch.Tensor,
     block_m: int = DEFAULT_BLOCK_M,
     device: torch.device | str | None = None,
+    padded_max_len: int = DEFAULT_PADDED_MAX_LEN,
 ) -> LoRABatchMetadata:
     """Group a step's tokens by adapter slot.
 
@@ -87,6 +107,7 @@ def build_lora_metadata(
     block_m:     tokens per Triton tile (a power of two >= 16); the launchers use this value.
     device:      where the tensors go (default: token_slots' device). The grouping itself
                  is computed on the host, where the scheduler's slot list comes from.
+    padded_max_len: torch path only: segments shorter than this are batched with padding.
     Raises ValueError naming the argument on bad input, including a token whose slot is
     empty (rank 0) or out of range.
     """
@@ -96,6 +117,8 @@ def build_lora_metadata(
         raise ValueError("slot_ranks must have at least one slot (max_loras >= 1)")
     if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
+    if not isinstance(padded_max_len, int) or padded_max_len < 0:
+        raise ValueError(f"padded_max_len must be an int >= 0, got {padded_max_len!r}")
     device = torch.device(device) if device is not None else token_slots.device
 
     slots = token_slots.detach().to("cpu", torch.long)  # [T]
@@ -170,7 +193,35 @@ def build_lora_metadata(
         segment_ranks=seg_table[3],
         tile_info=tile_info,
         segments=tuple(segments),
+        long_segments=tuple(seg for seg in segments if seg.length >= padded_max_len),
+        padded=_padded_batch(
+            [seg for seg in segments if seg.length < padded_max_len], order, max_loras, device
+        ),  # fmt: skip
         max_rank=max((row[3] for row in seg_rows), default=0),
+    )
+
+
+def _padded_batch(
+    short: list[Segment], order: torch.Tensor, max_loras: int, device: torch.device
+) -> PaddedBatch | None:
+    if not short:
+        return None
+    max_len = max(seg.length for seg in short)
+    token_ids, pad_rows, pad_src = [], [], []
+    for g, seg in enumerate(short):
+        ids = order[seg.start : seg.start + seg.length]
+        token_ids.append(ids)
+        pad_rows.append(torch.arange(seg.length) + g * max_len)
+        pad_src += [ids, ids[:1].expand(max_len - seg.length)]  # pad with its first token
+    slots = [seg.slot for seg in short]
+    return PaddedBatch(
+        slots=torch.tensor(slots, device=device),
+        all_slots=slots == list(range(max_loras)),
+        max_len=max_len,
+        max_rank=max(seg.rank for seg in short),
+        token_ids=torch.cat(token_ids).to(device),
+        pad_rows=torch.cat(pad_rows).to(device),
+        pad_src=torch.cat(pad_src).to(device),
     )
 
 
