@@ -3,16 +3,21 @@ each against the float64-accumulating references in kernels/reference.py.
 
 Every case mixes ranks 1, 8, 16 and 64 in one batch, tokens without an adapter, an empty slot,
 three output slices of different widths, and (slot, slice) pairs with no adapter (zero A/B).
-Weights beyond each adapter's rank are NaN, so reading padding poisons the result; shrink
-outputs start as NaN, so an element not written (or written where it should not be) fails;
-expand outputs start random, and slot -1 rows and columns outside every slice must come back
-bit for bit.
+Weights beyond each adapter's rank are NaN wherever the code under test promises not to read
+them (Triton; the CPU shrink/expand), so reading padding poisons the result; the CPU add_lora
+cases keep the documented zero padding. Shrink outputs start as NaN, so an element not
+written (or written where it should not be) fails; expand outputs start random, and slot -1
+rows and columns outside every slice must come back bit for bit.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,6 +154,18 @@ def test_triton_kernels_run_in_the_interpreter_on_cpu():
 
     assert isinstance(triton_lora._lora_shrink_kernel, InterpretedFunction)
     assert isinstance(triton_lora._lora_expand_kernel, InterpretedFunction)
+
+
+def test_triton_kernels_compile_for_a_gpu(tmp_path):
+    # The interpreter skips Triton's compiler; this runs it (to sm_90 cubin) with no GPU.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
+    script = Path(__file__).with_name("compile_for_gpu.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin") == 6, done.stdout
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -365,9 +382,6 @@ def test_cpu_batch_without_adapters_touches_nothing():
 
 def test_cpu_dispatcher_does_not_import_triton():
     # A CPU-only worker never pays for (or depends on) Triton: only CUDA calls import it.
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch\n"
         "from kernels.lora_ops import add_lora\n"

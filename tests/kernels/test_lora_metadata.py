@@ -43,6 +43,24 @@ def test_contiguous_segments_and_tiles_of_block_m():
     assert meta.sorted_token_ids[-3:].tolist() == [40, 41, 42]
 
 
+def test_torch_plan_splits_long_and_short_segments():
+    # slot 0: 3 scattered tokens, slot 1: 4 contiguous, slot 3: 1 token; slot 2 unused
+    slots = torch.tensor([0, 1, 1, 1, 1, 0, -1, 3, 0])
+    meta = build_lora_metadata(slots, torch.tensor([8, 16, 4, 2]), padded_max_len=4)
+    assert [s.slot for s in meta.long_segments] == [1]
+    batch = meta.padded
+    assert batch.slots.tolist() == [0, 3] and not batch.all_slots
+    assert batch.max_len == 3 and batch.max_rank == 8
+    assert batch.token_ids.tolist() == [0, 5, 8, 7]
+    assert batch.pad_rows.tolist() == [0, 1, 2, 3]  # group 0 rows 0..2, group 1 row 3
+    assert batch.pad_src.tolist() == [0, 5, 8, 7, 7, 7]  # padding repeats the group's first
+
+    everything_long = build_lora_metadata(slots, torch.tensor([8, 16, 4, 2]), padded_max_len=0)
+    assert everything_long.padded is None and len(everything_long.long_segments) == 3
+    all_short = build_lora_metadata(torch.tensor([1, 0, 1]), torch.tensor([8, 16]))
+    assert all_short.long_segments == () and all_short.padded.all_slots
+
+
 def test_batch_without_adapters():
     meta = build_lora_metadata(torch.tensor([-1, -1]), torch.tensor([8]))
     assert not meta.has_lora
@@ -71,6 +89,11 @@ def test_bad_input_names_the_argument(token_slots, slot_ranks, block_m, message)
             torch.tensor(slot_ranks, dtype=torch.long),
             block_m=block_m,
         )
+
+
+def test_bad_padded_max_len():
+    with pytest.raises(ValueError, match="padded_max_len must be an int >= 0, got -1"):
+        build_lora_metadata(torch.tensor([0]), torch.tensor([8]), padded_max_len=-1)
 
 
 @pytest.mark.parametrize(
