@@ -107,7 +107,8 @@ def build_lora_metadata(
     block_m:     tokens per Triton tile (a power of two >= 16); the launchers use this value.
     device:      where the tensors go (default: token_slots' device). The grouping itself
                  is computed on the host, where the scheduler's slot list comes from.
-    padded_max_len: torch path only: segments shorter than this are batched with padding.
+    padded_max_len: torch path only: segments shorter than this are batched with padding
+                 (ignored on CUDA, where the Triton kernels need no such plan).
     Raises ValueError naming the argument on bad input, including a token whose slot is
     empty (rank 0) or out of range.
     """
@@ -120,6 +121,8 @@ def build_lora_metadata(
     if not isinstance(padded_max_len, int) or padded_max_len < 0:
         raise ValueError(f"padded_max_len must be an int >= 0, got {padded_max_len!r}")
     device = torch.device(device) if device is not None else token_slots.device
+    if device.type == "cuda":
+        padded_max_len = 0  # CUDA runs the Triton kernels: skip the torch path's padded batch
 
     slots = token_slots.detach().to("cpu", torch.long)  # [T]
     ranks = slot_ranks.detach().to("cpu", torch.long)  # [L]
@@ -196,7 +199,7 @@ def build_lora_metadata(
         long_segments=tuple(seg for seg in segments if seg.length >= padded_max_len),
         padded=_padded_batch(
             [seg for seg in segments if seg.length < padded_max_len], order, max_loras, device
-        ),  # fmt: skip
+        ),
         max_rank=max((row[3] for row in seg_rows), default=0),
     )
 
