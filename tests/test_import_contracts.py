@@ -19,6 +19,10 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 PACKAGES = ("portal", "inference", "kernels")
 WEB_CONTRACT = "The web side never imports torch, triton or the inference side"
 INFERENCE_CONTRACT = "The inference side never imports the web stack"
+KERNELS_CONTRACT = "Kernels stand alone: the inference side imports kernels, never the reverse"
+NUM_CONTRACTS = len(
+    tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+)
 
 
 def lint_imports(cwd: Path, *config: str) -> subprocess.CompletedProcess:
@@ -61,13 +65,14 @@ def test_the_real_tree_keeps_both_contracts():
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{WEB_CONTRACT} KEPT" in result.stdout
     assert f"{INFERENCE_CONTRACT} KEPT" in result.stdout
+    assert f"{KERNELS_CONTRACT} KEPT" in result.stdout
 
 
 def test_the_copied_tree_passes_before_anything_is_planted(tree_copy):
     result = lint_imports(tree_copy, "contracts.toml")
 
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert f"{NUM_CONTRACTS} kept, 0 broken" in result.stdout
 
 
 def test_torch_planted_in_the_portal_breaks_the_web_contract(tree_copy):
@@ -90,3 +95,14 @@ def test_django_planted_in_inference_breaks_the_inference_contract(tree_copy):
     assert f"{INFERENCE_CONTRACT} BROKEN" in result.stdout
     assert f"{WEB_CONTRACT} KEPT" in result.stdout
     assert "inference.planted -> django" in result.stdout
+
+
+def test_inference_planted_in_kernels_breaks_the_kernels_contract(tree_copy):
+    (tree_copy / "kernels" / "planted.py").write_text("from inference.engine import sequence\n")
+
+    result = lint_imports(tree_copy, "contracts.toml")
+
+    assert result.returncode != 0
+    assert f"{KERNELS_CONTRACT} BROKEN" in result.stdout
+    assert f"{WEB_CONTRACT} KEPT" in result.stdout
+    assert "kernels.planted -> inference.engine.sequence" in result.stdout
