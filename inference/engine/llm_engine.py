@@ -24,7 +24,7 @@ from inference.engine.block_manager import BlockManager
 from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.model_runner import ModelRunner
 from inference.engine.outputs import RequestOutput, TokenLogprob, Usage
-from inference.engine.sampler import Sampler, SamplingBatch
+from inference.engine.sampler import Sampler, SamplingBatch, make_generator
 from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig
 from inference.engine.sequence import FinishReason, Sequence
@@ -81,6 +81,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)  # the shared stream unseeded requests sample from
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         path = config.model_path
@@ -148,10 +149,7 @@ class LLMEngine:
             tenant=tenant,
             weight=weight,
         )
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+        generator = make_generator(params.seed, self.device) if params.seed is not None else None
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.stop_token_ids
