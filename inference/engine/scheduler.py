@@ -93,6 +93,9 @@ class FcfsQueue:
     def __iter__(self) -> Iterator[Sequence]:
         return iter(self._items)
 
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        """Service accounting hook of the waiting-queue protocol; FCFS keeps no counters."""
+
 
 class Scheduler:
     def __init__(
