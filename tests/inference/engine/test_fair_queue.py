@@ -287,3 +287,18 @@ def test_forgetting_idle_tenants_matches_vtc_that_remembers_everyone():
             assert q.counter(t) == pytest.approx(max(ref.c.get(t, 0.0), ref.floor()))
         tracked.append(q.num_tracked_tenants)
     assert min(tracked) < len(tenants)  # it did forget some along the way
+
+
+def test_iterating_while_removing_follows_the_snapshot_order():
+    q = FairQueue()
+    for i in range(6):
+        q.push(make_seq(f"a{i}", "A", n_prompt=5))
+        q.push(make_seq(f"b{i}", "B", n_prompt=10))
+    expected = ids(q)
+    got = []
+    for seq in q:  # what an admission loop does without copying first
+        got.append(seq.request_id)
+        if seq.request_id.startswith("a"):
+            q.remove(seq)
+    assert got == expected
+    assert ids(q) == [f"b{i}" for i in range(6)]
