@@ -79,6 +79,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # Multi-LoRA: device slots (adapters in one step at most; 0 disables LoRA), host-tier
+    # entries (>= max_loras), the widest rank a slot holds, and whether an adapter whose
+    # base_model_name_or_path cannot be verified is refused rather than accepted with a warning.
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 16
+    strict_base_match: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -88,6 +95,14 @@ class EngineConfig:
         for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 16), ("block_size", 1)):
             if getattr(self, name) < minimum:
                 raise ConfigError(name, f"must be >= {minimum}, got {getattr(self, name)}")
+        if self.max_loras < 0:
+            raise ConfigError("max_loras", f"must be >= 0 (0 disables LoRA), got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                "max_cpu_loras", f"must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if isinstance(self.kv_cache_memory, str):
@@ -115,10 +130,10 @@ class EngineConfig:
                 values[f.name] = raw
             elif f.name == "kv_cache_memory":
                 values[f.name] = parse_memory(var, raw)
-            elif f.name == "enable_chunked_prefill":
+            elif f.name in ("enable_chunked_prefill", "strict_base_match"):
                 values[f.name] = _parse_bool(var, raw)
             else:
-                values[f.name] = _parse_int(var, raw, minimum=0 if f.name == "seed" else 1)
+                values[f.name] = _parse_int(var, raw, minimum=0 if f.name in ("seed", "max_loras") else 1)
         given = {k: v for k, v in overrides.items() if v is not None}
         from_env = set(values) - set(given)
         values.update(given)

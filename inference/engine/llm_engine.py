@@ -5,6 +5,12 @@
 
 Requests are validated when they are added (a ValueError naming the field), so a bad
 request never disturbs the ones already running.
+
+Multi-LoRA (inference/lora/): a request may name an adapter (`lora=`); the scheduler admits it
+once its adapter holds a device slot (loading from disk happens on a background thread, so
+the step loop never waits on it), and each step's tokens carry their slot into the model's
+projections, which add that adapter's delta per token. Base-only and adapter requests share
+every step.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import logging
 import os
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,6 +37,8 @@ from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig
 from inference.engine.sequence import FinishReason, Sequence
 from inference.engine.stop_checker import StopChecker
+from inference.lora.manager import AdapterInfo, LoRAManager
+from inference.lora.request import LoRARequest
 from inference.models.loader import load_model
 from inference.models.tokenizer import Tokenizer, load_tokenizer
 
@@ -100,6 +110,18 @@ class LLMEngine:
         num_blocks = kv_cache_num_blocks(config, self.model_config, self.dtype)
         self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.lora: LoRAManager | None = None
+        if config.max_loras > 0:
+            self.lora = LoRAManager(
+                self.model,
+                self.model_config,
+                max_loras=config.max_loras,
+                max_cpu_loras=config.max_cpu_loras,
+                max_lora_rank=config.max_lora_rank,
+                strict_base_match=config.strict_base_match,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -107,8 +129,12 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.block_manager,
+            adapters=self.lora,
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, config.block_size, self.device,
+            lora_slots=self.lora.slots if self.lora else None,
+        )  # fmt: skip
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []
@@ -129,8 +155,14 @@ class LLMEngine:
         request_id: str | None = None,
         tenant: str | None = None,
         weight: float = 1.0,
+        lora: str | LoRARequest | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError naming the field."""
+        """Validate and queue a request; returns its id. Raises ValueError naming the field,
+        AdapterNotFoundError for an unregistered adapter name.
+
+        lora: a registered adapter's name, or a LoRARequest(name, path) registered on first use
+        (loaded in the background while the request waits; a failed load finishes the request
+        with finish_reason "error")."""
         params = params or SamplingParams()
         prompt_ids = self._prompt_token_ids(prompt, messages)
         if len(prompt_ids) >= self.max_model_len:
@@ -141,6 +173,10 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in the engine")
+        if not (isinstance(weight, int | float) and weight > 0):
+            raise ValueError(f"weight: must be a number > 0, got {weight!r}")
+        if lora is not None and self.lora is None:
+            raise ValueError("lora: LoRA is disabled on this engine (max_loras is 0)")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -159,7 +195,16 @@ class LLMEngine:
             stop=StopChecker(params.stop, stop_ids, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None,
         )
-        self.scheduler.add(seq)
+        if lora is not None:
+            if isinstance(lora, LoRARequest):
+                self._check_adapter_name(lora.name)
+            self.lora.bind(lora, seq)
+        try:
+            self.scheduler.add(seq)
+        except ValueError:
+            if seq.lora is not None:
+                self.lora.release(seq, finished=True)
+            raise
         return request_id
 
     def _prompt_token_ids(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
@@ -197,9 +242,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
+        if self.lora is not None:
+            self.lora.begin_step()
 
         decision = self.scheduler.schedule()
+        outputs += [self._output(seq) for seq in decision.failed]
         if not decision:
+            if self.lora is not None and self.scheduler.waiting and not self.scheduler.running:
+                self.lora.wait_for_loads(timeout=0.01)  # only requests for loading adapters wait
             return outputs
         to_sample = [s.seq for s in decision.scheduled if s.samples]
         logits = self.runner.execute(decision.scheduled)  # [len(to_sample), vocab]
@@ -281,7 +331,75 @@ class LLMEngine:
             delta_logprobs=new_logprobs,
             time_to_first_token=(state.first_token_time - seq.arrival_time) if state.first_token_time else None,
             latency=(now - seq.arrival_time) if finished else None,
+            error=seq.error,
         )
+
+    # -- adapters (safe from any thread) ---------------------------------------------
+    def add_adapter(
+        self, name: str, path: str | Path, *, pin: bool = False, wait: bool = True
+    ) -> AdapterInfo | Future:
+        """Validate and load a PEFT adapter directory under `name` (into the host tier).
+        wait=True: returns its AdapterInfo or raises AdapterError; wait=False: a Future of it."""
+        manager = self._lora_manager()
+        self._check_adapter_name(name)
+        future = manager.add(name, path, pin=pin)
+        return future.result() if wait else future
+
+    def remove_adapter(self, name: str) -> None:
+        """New requests can no longer use `name`; those already running finish with it."""
+        self._lora_manager().remove(name)
+
+    def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        """Pinned adapters are never evicted (at most max_loras - 1 of them)."""
+        self._lora_manager().pin(name, pinned)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.lora.describe() if self.lora else []
+
+    def has_adapter(self, name: str) -> bool:
+        return self.lora is not None and self.lora.has(name)
+
+    def lora_stats(self) -> dict:
+        if self.lora is None:
+            return {"hits": {"device": 0, "host": 0}, "misses": 0, "loads": 0, "load_failures": 0,
+                    "evictions": {"device": 0, "host": 0}, "load_seconds": []}  # fmt: skip
+        return self.lora.stats()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes held: base weights, KV cache, adapter slots (device), adapters in host memory."""
+        lora = self.lora.memory() if self.lora else {"adapter_slots": 0, "host_adapters": 0}
+        return {
+            "base_weights": sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers())),
+            "kv_cache": sum(k.nbytes + v.nbytes for k, v in self.kv_caches),
+            **lora,
+        }
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("lora: LoRA is disabled on this engine (max_loras is 0)")
+        return self.lora
+
+    def _check_adapter_name(self, name: str) -> None:
+        if name == self.model_name:
+            raise ValueError(f"lora_name: {name!r} is the base model's name")
+
+    # -- load ----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (0..1)."""
+        return self.block_manager.usage
+
+    def shutdown(self) -> None:
+        if self.lora is not None:
+            self.lora.shutdown()
 
     # -- convenience --------------------------------------------------------------
     def run_until_done(self, request_ids: Seq[str]) -> dict[str, RequestOutput]:

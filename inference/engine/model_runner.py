@@ -4,7 +4,8 @@ Every scheduled sequence contributes its new tokens back to back:
 
     tokens     [T]  seq0's chunk | seq1's decode token | seq2's chunk | ...
     positions  [T]  where each token sits in its sequence
-    lora_slots [T]  adapter slot per token (-1: base model) — consumed by the multi-LoRA layers
+    lora_slots [T]  adapter slot per token (-1: base model), host-side: the LoRA slots group
+                    the tokens by adapter from it once per step, for every layer
 
 Attention metadata (block tables, slot mapping, masks) is built once here and shared by
 every layer. Only sequences whose chunk reaches their end are sampled, so logits are
@@ -14,25 +15,37 @@ computed for those rows alone: [num_sampled, vocab].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from inference.engine.attention import AttentionMetadata, build_attention_metadata
 from inference.engine.scheduler import ScheduledSeq
 
+if TYPE_CHECKING:
+    from inference.lora.slots import LoRASlots
+
 
 @dataclass(frozen=True)
 class BatchInputs:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
-    lora_slots: torch.Tensor  # [T] long, -1 = no adapter
+    lora_slots: torch.Tensor  # [T] long on the CPU, -1 = no adapter
     attn_meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampled] long: index into T of each sampled sequence's last token
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list,
+        block_size: int,
+        device: torch.device,
+        lora_slots: LoRASlots | None = None,
+    ) -> None:
         self.model = model
+        self.lora_slots = lora_slots
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -63,7 +76,7 @@ class ModelRunner:
         return BatchInputs(
             input_ids=tensor(input_ids),
             positions=tensor(positions),
-            lora_slots=tensor(lora_slots),
+            lora_slots=torch.tensor(lora_slots, dtype=torch.long),
             attn_meta=build_attention_metadata(
                 seq_lens, query_lens, block_tables, self.block_size, self.device
             ),
@@ -74,5 +87,11 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the model; return float32 logits [num_sampled, vocab] in `scheduled` order."""
         batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)  # [T, hidden]
+        if self.lora_slots is not None:
+            self.lora_slots.begin_step(batch.lora_slots)
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)  # [T, hidden]
+        finally:
+            if self.lora_slots is not None:
+                self.lora_slots.end_step()
         return self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]

@@ -32,10 +32,11 @@ class RequestOutput:
     delta_text: str  # visible text new since the previous output of this request
     delta_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     usage: Usage
     delta_logprobs: list[TokenLogprob] | None = None
     # Seconds since arrival: first token, and finish (None until then).
     time_to_first_token: float | None = None
     latency: float | None = None
+    error: str | None = None  # with finish_reason "error": why (e.g. the adapter failed to load)
     extra: dict = field(default_factory=dict)

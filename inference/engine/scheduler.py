@@ -8,13 +8,18 @@ Plain Python over `Sequence` objects and a `BlockManager`; no tensors. One step:
         while KV blocks for n don't fit: preempt the newest running sequence (recompute later)
         allocate, schedule (seq, n)
     if nothing was preempted:
-        while waiting and seats (max_num_seqs) and budget:   # admit new work
+        for seq in waiting, in the queue's order, while seats (max_num_seqs) and budget:
             n = min(prompt tokens left, budget)              # chunked prefill
-            stop at the first sequence whose blocks don't fit (no overtaking: FCFS)
+            stop at the first sequence whose blocks don't fit (no overtaking for KV)
+            skip a sequence whose adapter has no device slot yet (it is loading, or every
+                slot is busy with other adapters): it waits, the others go on
+            finish a sequence whose adapter failed to load (FinishReason.ERROR), alone
             allocate, schedule (seq, n)
 
-A preempted sequence loses its KV and goes back to the *front* of the waiting queue;
-when readmitted it recomputes prompt + output so far, so its output is unchanged.
+A preempted sequence loses its KV and its slot reference and goes back to the *front* of
+the waiting queue; when readmitted it recomputes prompt + output so far, so its output is
+unchanged. Since every running sequence holds a reference on its adapter's slot, one step
+never runs more distinct adapters than there are slots.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from inference.engine.block_manager import BlockManager
 from inference.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -42,6 +48,24 @@ class SchedulerConfig:
             )
 
 
+class AdapterUnavailable(Exception):
+    """The sequence's adapter cannot be served (its load failed); str() says why."""
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler needs from the LoRA manager (inference/lora/manager.py)."""
+
+    def acquire(self, seq: Sequence) -> bool:
+        """Give `seq` a device slot for its adapter (sets seq.lora_slot) and take a reference
+        on it; False while the adapter is loading or no slot can be freed; raises
+        AdapterUnavailable when it never will be."""
+        ...
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        """Drop `seq`'s slot reference, if any (finished: the sequence is gone for good)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
@@ -57,6 +81,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # finished with FinishReason.ERROR
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,10 +128,12 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         waiting: FcfsQueue | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting = waiting if waiting is not None else FcfsQueue()
+        self.adapters = adapters
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
 
@@ -145,6 +172,8 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.block_manager.free(seq)
+        if seq.lora is not None and self.adapters is not None:
+            self.adapters.release(seq, finished=True)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._by_id.pop(seq.request_id, None)
@@ -182,8 +211,9 @@ class Scheduler:
 
         # 2. Admit waiting sequences, unless this step had to preempt (no room to grow).
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting.peek()
+            for seq in list(self.waiting):
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
                 n = seq.num_uncomputed_tokens
                 if n > budget:
                     if not self.config.enable_chunked_prefill:
@@ -191,7 +221,9 @@ class Scheduler:
                     n = budget
                 if not self.block_manager.can_allocate(seq, n):
                     break
-                self.waiting.pop()
+                if seq.lora is not None and not self._acquire_adapter(seq, out):
+                    continue
+                self.waiting.remove(seq)
                 self.block_manager.allocate(seq, n)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -199,15 +231,32 @@ class Scheduler:
                 budget -= n
         return out
 
+    def _acquire_adapter(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """True when `seq` now holds a slot for its adapter; a failed adapter finishes it."""
+        if self.adapters is None:
+            raise RuntimeError(f"request {seq.request_id!r} has an adapter but LoRA is not enabled")
+        try:
+            return self.adapters.acquire(seq)
+        except AdapterUnavailable as exc:
+            self.waiting.remove(seq)
+            seq.error = str(exc)
+            self._finish(seq, FinishReason.ERROR)
+            out.failed.append(seq)
+            return False
+
     def _preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s KV (recompute later) and put it back at the front of the queue."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if seq.lora is not None and self.adapters is not None:
+            self.adapters.release(seq, finished=False)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.push_front(seq)
 
     def on_step_done(self, scheduled: list[ScheduledSeq]) -> None:
-        """Mark the scheduled tokens as computed (their KV is now in the cache)."""
+        """Mark the scheduled tokens as computed (their KV is now in the cache) and charge them
+        to the admission policy (fair queuing counts the service each tenant received)."""
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.waiting.charge(s.seq, s.num_new_tokens)

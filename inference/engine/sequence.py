@@ -26,6 +26,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # client went away or an explicit abort
+    ERROR = "error"  # the request could not run (its adapter failed to load); see Sequence.error
 
 
 @dataclass(eq=False)
@@ -35,8 +36,9 @@ class Sequence:
     params: SamplingParams
     # Upper bound on prompt + output tokens: the model's context length.
     max_model_len: int
-    # Adapter slot index for every token of this sequence; -1 = base model only.
-    # Filled by the multi-LoRA layer once adapters exist.
+    # The adapter this request runs with (an opaque handle owned by the LoRA manager; None:
+    # the base model) and the device slot it holds while running (-1: none / base model).
+    lora: Any = None
     lora_slot: int = -1
     # Tenant fairness hooks (the inference server sets these; FCFS ignores them).
     tenant: str | None = None
@@ -46,6 +48,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why the request failed, with FinishReason.ERROR
     # Where this sequence's KV lives, and how many of its tokens are in it.
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

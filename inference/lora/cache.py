@@ -132,6 +132,33 @@ class AdapterCache:
                 entry.future = self._executor.submit(self._load_into_host, entry)
             return entry.future
 
+    def load_new(self, source: Any) -> Future:
+        """Load an adapter whose id is not known yet (a name and path just added): on success it
+        is registered under its content id and placed in the host tier. Returns the future."""
+        return self._executor.submit(self._load_new, source)
+
+    def _load_new(self, source: Any) -> CachedAdapter:
+        start = self._clock()
+        try:
+            adapter = self._load(source)
+        except Exception:
+            with self._lock:
+                self.stats.load_failures += 1
+            raise
+        seconds = self._clock() - start
+        with self._lock:
+            entry = self.register(adapter.id, source)
+            entry.error = None
+            if adapter.id in self.host:  # the same content under another name: one copy
+                self.host.move_to_end(adapter.id)
+                return self.host[adapter.id]
+            self._make_host_room()
+            self.host[adapter.id] = adapter
+            entry.load_seconds = seconds
+            self.stats.loads += 1
+            self.stats.load_seconds.append(seconds)
+            return adapter
+
     def _load_into_host(self, entry: AdapterEntry) -> CachedAdapter:
         start = self._clock()
         try:
@@ -186,7 +213,8 @@ class AdapterCache:
                 self.slots[slot] = adapter_id
                 self.stats.hits["host"] += 1
             else:
-                self.stats.misses += 1
+                if entry.future is None or entry.future.done():  # one miss per load, not per retry
+                    self.stats.misses += 1
                 self.prefetch(adapter_id)
                 return None
             self.host.move_to_end(adapter_id)
@@ -261,6 +289,22 @@ class AdapterCache:
                 }
                 for e in self.entries.values()
             ]
+
+    def stats_snapshot(self) -> dict:
+        with self._lock:
+            s = self.stats
+            return {
+                "hits": dict(s.hits),
+                "misses": s.misses,
+                "loads": s.loads,
+                "load_failures": s.load_failures,
+                "evictions": dict(s.evictions),
+                "load_seconds": list(s.load_seconds),
+            }
+
+    def pending_loads(self) -> list[Future]:
+        with self._lock:
+            return [e.future for e in self.entries.values() if e.future is not None and not e.future.done()]
 
     @property
     def host_bytes(self) -> int:

@@ -91,8 +91,15 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+        # Multi-LoRA hook (inference/lora/slots.py attaches one per projection): adds each
+        # token's adapter delta into the output. None: no adapters, plain linear.
+        self.lora = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.apply(out, x)
+        return out
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,324 @@
+"""The engine's adapter registry: names → immutable adapters, the two-tier cache, the slots.
+
+    name ──▶ AdapterRecord (path, load future, content id)      add / bind / remove / pin
+                      │ id
+                      ▼
+    AdapterCache (host LRU, slot refcounts; loads on its background thread)
+                      │ on_activate / on_deactivate
+                      ▼
+    LoRASlots (stacked weights in every projection of the model)
+
+A request binds to the record its name points to *when it arrives* and keeps it: if the
+name is re-added with different weights meanwhile, the request still runs the adapter it
+asked for, and nothing keyed by the old id (a slot, a cache entry) serves the new one. A
+retired record's adapter leaves the cache once its last request is done.
+
+Threads: `add`, `remove`, `pin`, `describe` and the stats may be called from any thread (the
+server's event loop); `bind`, `acquire`, `release` and `begin_step` only from the engine's
+step thread. Everything that touches slot tensors runs on the step thread: removals asked
+from elsewhere are queued and applied at the next `begin_step`, between forwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from inference.engine.scheduler import AdapterUnavailable
+from inference.engine.sequence import Sequence
+from inference.lora.adapter import LoRAAdapter, LoRAModuleWeights, load_adapter
+from inference.lora.cache import AdapterCache, Tier
+from inference.lora.request import LoRARequest
+from inference.lora.slots import LoRASlots
+from inference.models.config import LlamaConfig
+
+MAX_NAME_LENGTH = 128
+
+
+class AdapterNotFoundError(LookupError):
+    """No adapter is registered under that name."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"adapter {name!r} is not registered (add it first)")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    id: str | None  # content hash; None until the first load finished
+    path: str
+    tier: str  # device | host | loading | disk | failed
+    rank: int | None
+    nbytes: int | None  # in memory (None when only on disk)
+    pinned: bool
+    hits: int
+    last_used: float | None  # wall-clock time.time()
+    load_seconds: float | None
+    error: str | None
+
+
+@dataclass(eq=False)
+class AdapterRecord:
+    """One name's adapter as added at one moment: a load in flight, a loaded id, or an error."""
+
+    name: str
+    path: Path
+    future: Future = field(repr=False)
+    id: str | None = None
+    rank: int | None = None
+    error: str | None = None
+    users: int = 0  # requests bound to it and not finished
+    retired: bool = False  # replaced or removed: serves the requests already bound, then goes
+
+    @property
+    def ready(self) -> bool:
+        return self.id is not None
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        base_config: LlamaConfig,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_lora_rank: int,
+        strict_base_match: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.base_config = base_config
+        self.max_lora_rank = max_lora_rank
+        self.strict_base_match = strict_base_match
+        self.dtype = dtype
+        self.device = device
+        self.slots = LoRASlots(model, max_loras, max_lora_rank, dtype, device)
+        self.cache = AdapterCache(
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            load=self._load,
+            on_activate=self.slots.activate,
+            on_deactivate=self.slots.deactivate,
+            executor=ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load"),
+        )
+        self._lock = threading.RLock()
+        self._current: dict[str, AdapterRecord] = {}  # name -> the record new requests get
+        self._pending: dict[str, AdapterRecord] = {}  # name -> a newer version still loading
+        self._retired: list[AdapterRecord] = []
+        self._on_step_thread: deque[Callable[[], None]] = deque()
+
+    # -- loading -------------------------------------------------------------------------
+    def _load(self, source: tuple[Path, str]) -> LoRAAdapter:
+        """Disk → validated host adapter (runs on the cache's loader thread)."""
+        path, name = source
+        adapter = load_adapter(
+            path, name, self.base_config, self.max_lora_rank, self.strict_base_match, self.dtype
+        )
+        if self.device.type == "cuda":  # page-locked host copies make the slot copy asynchronous
+            pinned = {
+                key: LoRAModuleWeights(a=w.a.pin_memory(), b=w.b.pin_memory(), scale=w.scale)
+                for key, w in adapter.weights.items()
+            }
+            adapter = dataclasses.replace(adapter, weights=MappingProxyType(pinned))
+        return adapter
+
+    def add(self, name: str, path: str | Path, pin: bool = False) -> Future:
+        """Validate and load `path` under `name` in the background; returns a Future of its
+        AdapterInfo, failing with AdapterError. The name switches to the new adapter only
+        once it loaded: a bad adapter leaves the one already served untouched."""
+        check_name(name)
+        record = AdapterRecord(name=name, path=Path(path), future=Future())
+        done: Future = Future()
+        with self._lock:
+            self._pending[name] = record
+            record.future = self.cache.load_new((record.path, name))
+        record.future.add_done_callback(lambda f: self._on_loaded(record, f, pin, done))
+        return done
+
+    def _on_loaded(self, record: AdapterRecord, future: Future, pin: bool, done: Future) -> None:
+        exc = future.exception()
+        with self._lock:
+            if self._pending.get(record.name) is record:
+                del self._pending[record.name]
+            if exc is not None:
+                record.error = str(exc)
+                record.retired = True
+            else:
+                adapter = future.result()
+                record.id, record.rank = adapter.id, adapter.rank
+                old = self._current.get(record.name)
+                self._current[record.name] = record
+                if old is not None and old is not record:
+                    self._retire(old)
+                if pin:
+                    try:
+                        self.cache.pin(record.id)
+                    except ValueError as pin_error:
+                        exc = pin_error
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(self._info(record))
+
+    # -- registry --------------------------------------------------------------------------
+    def remove(self, name: str) -> None:
+        """Stop serving `name` to new requests; requests already bound to it finish first."""
+        with self._lock:
+            record = self._current.pop(name, None)
+            pending = self._pending.pop(name, None)
+            if record is None and pending is None:
+                raise AdapterNotFoundError(name)
+            for r in (record, pending):
+                if r is not None:
+                    self._retire(r)
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        with self._lock:
+            record = self._current.get(name)
+            if record is None:
+                raise AdapterNotFoundError(name)
+            if pinned:
+                self.cache.pin(record.id)
+            else:
+                self.cache.unpin(record.id)
+
+    def has(self, name: str) -> bool:
+        with self._lock:
+            return name in self._current or name in self._pending
+
+    def bind(self, lora: str | LoRARequest, seq: Sequence) -> None:
+        """Attach the adapter `lora` names to a new request (step thread). A LoRARequest whose
+        name or path is new starts a background load; the request waits for it."""
+        with self._lock:
+            if isinstance(lora, LoRARequest):
+                path = Path(lora.path)
+                record = next(
+                    (r for r in (self._pending.get(lora.name), self._current.get(lora.name))
+                     if r is not None and r.path == path),
+                    None,
+                )  # fmt: skip
+                if record is None:
+                    self.add(lora.name, path)
+                    record = self._pending[lora.name]
+            else:
+                record = self._current.get(lora) or self._pending.get(lora)
+                if record is None:
+                    raise AdapterNotFoundError(lora)
+            record.users += 1
+            seq.lora = record
+
+    def _retire(self, record: AdapterRecord) -> None:
+        record.retired = True
+        self._retired.append(record)
+        self._on_step_thread.append(self._drop_retired)
+
+    def _drop_retired(self) -> None:
+        """Remove from the cache every retired adapter no request and no live name uses."""
+        with self._lock:
+            live_ids = {r.id for r in (*self._current.values(), *self._pending.values())}
+            keep = []
+            for record in self._retired:
+                if record.users > 0:
+                    keep.append(record)
+                elif record.id is not None and record.id not in live_ids and record.id in self.cache.entries:
+                    self.cache.remove(record.id)
+            self._retired = keep
+
+    # -- the scheduler's slot protocol (step thread) -------------------------------------------
+    def acquire(self, seq: Sequence) -> bool:
+        record: AdapterRecord = seq.lora
+        if record.error is not None:
+            raise AdapterUnavailable(record.error)
+        if not record.ready:
+            return False  # still loading
+        if self.cache.tier(record.id) is Tier.FAILED:  # evicted from host, then failed to reload
+            raise AdapterUnavailable(self.cache.entries[record.id].error)
+        slot = self.cache.acquire(record.id)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def release(self, seq: Sequence, finished: bool) -> None:
+        if seq.lora_slot >= 0:
+            self.cache.release(seq.lora_slot)
+            seq.lora_slot = -1
+        if finished:
+            record: AdapterRecord = seq.lora
+            with self._lock:
+                record.users -= 1
+                if record.retired and record.users == 0:
+                    self._on_step_thread.append(self._drop_retired)
+
+    def begin_step(self) -> None:
+        """Apply what other threads asked for that touches slots (step thread, between forwards)."""
+        while self._on_step_thread:
+            self._on_step_thread.popleft()()
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block up to `timeout` s for an adapter load in flight (when only loading requests wait)."""
+        futures = self.cache.pending_loads()
+        with self._lock:
+            futures += [r.future for r in self._pending.values()]
+        if futures:
+            wait_futures(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    # -- reporting -----------------------------------------------------------------------------
+    def describe(self) -> list[AdapterInfo]:
+        with self._lock:
+            records = [*self._current.values(), *(r for n, r in self._pending.items() if n not in self._current)]
+            return [self._info(r) for r in records]
+
+    def _info(self, record: AdapterRecord) -> AdapterInfo:
+        entry = self.cache.entries.get(record.id) if record.id else None
+        if record.error is not None:
+            tier = Tier.FAILED
+        elif entry is None:
+            tier = Tier.LOADING
+        else:
+            tier = self.cache.tier(record.id)
+        adapter = self.cache.host.get(record.id) if record.id else None
+        last_used = None
+        if entry is not None and entry.last_used is not None:  # cache clock is monotonic
+            last_used = time.time() - (time.monotonic() - entry.last_used)
+        return AdapterInfo(
+            name=record.name,
+            id=record.id,
+            path=str(record.path),
+            tier=str(tier),
+            rank=record.rank,
+            nbytes=adapter.nbytes if adapter is not None else None,
+            pinned=bool(entry and entry.pinned),
+            hits=entry.hits if entry else 0,
+            last_used=last_used,
+            load_seconds=entry.load_seconds if entry else None,
+            error=record.error or (entry.error if entry else None),
+        )
+
+    def stats(self) -> dict:
+        return self.cache.stats_snapshot()
+
+    def memory(self) -> dict[str, int]:
+        return {"adapter_slots": self.slots.nbytes, "host_adapters": self.cache.host_bytes}
+
+    def shutdown(self) -> None:
+        self.cache.shutdown()
+
+
+def check_name(name: object) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("lora_name: must be a non-empty string")
+    if len(name) > MAX_NAME_LENGTH or any(c.isspace() or not c.isprintable() for c in name):
+        raise ValueError(f"lora_name: {name[:40]!r} must be at most {MAX_NAME_LENGTH} printable characters without spaces")
