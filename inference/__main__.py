@@ -1,4 +1,6 @@
-"""`python -m inference generate --model PATH --prompt "..."`: generate from the command line.
+"""`python -m inference generate --model PATH --prompt "..."`: generate from the command line;
+`python -m inference serve --model PATH --port 8001`: the OpenAI-compatible HTTP server
+(inference/server/cli.py has its flags).
 
 Text streams to stdout as it is generated; a one-line summary (tokens, speed, finish
 reason) goes to stderr. `--chat` wraps the prompt as a user message in the model's chat
@@ -12,6 +14,7 @@ import sys
 import time
 
 from inference.config import ConfigError
+from inference.server.cli import add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--dtype", choices=["bfloat16", "float32", "float16"])
     gen.add_argument("--device")
+    add_serve_parser(sub)
     return parser
 
 
@@ -75,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return generate(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        if args.command == "serve":
+            from inference.server.cli import serve
+
+            return serve(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -1,0 +1,114 @@
+"""Adapter management routes, compatible with vLLM's (`/v1/load_lora_adapter`,
+`/v1/unload_lora_adapter`), plus pin/unpin and a listing with each adapter's cache state.
+
+Loading validates and reads the adapter on the engine's loader, never on the event loop
+(`add_adapter(wait=False)` hands back a future). A bad adapter is a 400 with the validation
+reason and never disturbs the adapters already resident. When an admin token is configured,
+these routes need `Authorization: Bearer <token>` (the gateway holds the token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from fastapi import APIRouter, Depends, Request
+
+from inference.lora.validation import AdapterError
+from inference.server.errors import APIError
+from inference.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
+
+
+def _require_admin(request: Request) -> None:
+    token = request.app.state.admin_token
+    if not token:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(401, "adapter routes need 'Authorization: Bearer <admin token>'",
+                       type="authentication_error", code="invalid_admin_token")
+
+
+router = APIRouter(dependencies=[Depends(_require_admin)])
+
+
+def adapter_json(info) -> dict:
+    return {
+        "name": info.name,
+        "id": info.id,
+        "path": str(info.path),
+        "tier": info.tier,
+        "rank": info.rank,
+        "bytes": info.nbytes,
+        "pinned": info.pinned,
+        "hits": info.hits,
+        "last_used": info.last_used,
+        "load_seconds": info.load_seconds,
+        "error": info.error,
+    }
+
+
+def _engine(request: Request):
+    serving = request.app.state.serving
+    serving.check_ready()
+    return serving.engine.engine
+
+
+def _not_found(name: str) -> APIError:
+    return APIError(404, f"adapter '{name}' is not registered", param="lora_name", code="adapter_not_found")
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> dict:
+    engine = _engine(request)
+    if body.lora_name in request.app.state.serving.served_names:
+        raise APIError(400, f"lora_name: '{body.lora_name}' is the base model's name", param="lora_name")
+    try:
+        future = engine.add_adapter(body.lora_name, body.lora_path, pin=body.pin, wait=False)
+        info = await asyncio.wrap_future(future)
+    except AdapterError as exc:
+        raise APIError(400, str(exc), param="lora_path", code="adapter_invalid") from None
+    except ValueError as exc:  # e.g. pinning more than max_loras - 1
+        raise APIError(400, str(exc), param="pin" if body.pin else "lora_path") from None
+    return {"object": "adapter", **adapter_json(info)}
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request) -> dict:
+    engine = _engine(request)
+    try:
+        await asyncio.to_thread(engine.remove_adapter, body.lora_name)
+    except LookupError:
+        raise _not_found(body.lora_name) from None
+    return {"object": "adapter", "name": body.lora_name, "deleted": True}
+
+
+async def _pin(request: Request, name: str, pinned: bool) -> dict:
+    engine = _engine(request)
+    try:
+        await asyncio.to_thread(engine.pin_adapter, name, pinned)
+    except LookupError:
+        raise _not_found(name) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="name", code="too_many_pinned") from None
+    info = next((a for a in engine.list_adapters() if a.name == name), None)
+    if info is None:
+        raise _not_found(name)
+    return {"object": "adapter", **adapter_json(info)}
+
+
+@router.post("/v1/adapters/{name}/pin")
+async def pin_adapter(name: str, request: Request) -> dict:
+    return await _pin(request, name, True)
+
+
+@router.post("/v1/adapters/{name}/unpin")
+async def unpin_adapter(name: str, request: Request) -> dict:
+    return await _pin(request, name, False)
+
+
+@router.get("/v1/adapters")
+async def list_adapters(request: Request) -> dict:
+    engine = _engine(request)
+    return {"object": "list", "data": [adapter_json(a) for a in engine.list_adapters()]}

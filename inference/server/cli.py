@@ -1,0 +1,108 @@
+"""`python -m inference serve`: flags (vLLM's names), the engine config, and uvicorn.
+
+Flags override INFERENCE_* variables (EngineConfig.from_env). A bad flag or value prints one
+line and exits 2 before anything loads; the HTTP server binds first and the model loads
+behind it (progress on stderr), so /health answers at once and /ready turns 200 when loaded.
+If the model fails to load the process exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from inference.config import ConfigError, EngineConfig
+
+DEFAULT_PORT = 8001
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--model", help="a .gguf file or an HF checkpoint directory (default: the fetched SmolLM2)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the base model's name(s) in the API (default: the model's own name); the first is listed")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: the API has no auth)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", help="cpu or cuda[:N]")
+    p.add_argument("--max-num-seqs", type=int, help="sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step")
+    p.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
+    p.add_argument("--kv-cache-memory", help="KV cache: bytes ('512MiB', '2GiB') or a fraction of free memory")
+    p.add_argument("--max-loras", type=int, help="adapters resident on the device at once")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to register at start-up")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests that may wait beyond the running batch; more get 503 + Retry-After")
+    p.add_argument("--admin-token", default=os.environ.get("INFERENCE_ADMIN_TOKEN") or None,
+                   help="shared secret for the adapter routes (env INFERENCE_ADMIN_TOKEN); unset: open")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _lora_modules(items: list[str]) -> dict[str, str]:
+    modules: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError("--lora-modules", f"expected NAME=PATH, got {item!r}")
+        if name in modules:
+            raise ConfigError("--lora-modules", f"adapter name {name!r} given twice")
+        if not os.path.isdir(os.path.expanduser(path)):
+            raise ConfigError("--lora-modules", f"{name}: {path} is not a directory")
+        modules[name] = os.path.expanduser(path)
+    return modules
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    overrides = {
+        "model": args.model, "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+        "kv_cache_memory": args.kv_cache_memory,
+    }
+    # The adapter fields only when given, so the flags stay optional on any engine version.
+    for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    config = EngineConfig.from_env(**overrides)
+    if not config.model_path.exists():
+        hint = " (fetch the default model: python -m inference.models fetch)" if config.model_path.suffix == ".gguf" else ""
+        raise ConfigError("model", f"{config.model_path} does not exist{hint}")
+    return config
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inference.server.app import ServerSettings, create_app
+
+    if not 0 < args.port < 65536:
+        raise ConfigError("--port", f"must be in 1..65535, got {args.port}")
+    if args.max_waiting_requests < 0:
+        raise ConfigError("--max-waiting-requests", f"must be >= 0, got {args.max_waiting_requests}")
+    settings = ServerSettings(
+        config=engine_config(args),
+        served_model_names=args.served_model_name or [],
+        lora_modules=_lora_modules(args.lora_modules),
+        max_waiting_requests=args.max_waiting_requests,
+        admin_token=args.admin_token,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_engine_dead(exc: BaseException) -> None:
+        # The engine cannot serve anything now: stop, and let the supervisor restart us.
+        print(f"error: the engine stopped: {exc}", file=sys.stderr, flush=True)
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_engine_dead=on_engine_dead)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    server.run()
+    return 1 if failed or not server.started else 0

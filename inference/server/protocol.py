@@ -1,0 +1,100 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic, strict types).
+
+Strict mode: "0.5" is not a number and `true` is not 1, as in OpenAI's API, so a wrong type is a
+400 naming the parameter rather than a silent coercion. Unknown fields are ignored (clients send
+many optional OpenAI fields we have no use for). Engine-side limits (context length, token ids,
+chat roles) are checked by the engine when the request is added.
+
+Extra fields, documented for the gateway: `tenant` (who pays for the tokens; the fair scheduler
+shares the worker between tenants) and `tenant_weight` (> 0, that tenant's share). vLLM's
+sampling extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids`
+are accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from inference.engine.sampling_params import MAX_LOGPROBS
+
+# A request may ask for at most this many choices (n × prompts): each is an engine request.
+MAX_CHOICES = 128
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Not strict on extra fields: tool calls, names etc. pass through to the chat template.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # text parts are joined: the model reads plain text
+            message["content"] = "".join(p.text for p in self.content)
+        elif self.content is None:
+            message["content"] = ""
+        return message
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # fair scheduling (set by the gateway)
+    tenant: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    tenant_weight: Annotated[float, Field(gt=0, le=1e6)] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str | list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+
+class LoadAdapterRequest(_Body):
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1)]
+    pin: bool = False
+
+
+class UnloadAdapterRequest(_Body):
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]

@@ -1,0 +1,227 @@
+"""What chat and text completions share: model resolution, backpressure, sampling parameters,
+submitting to the engine, collecting or streaming outputs, and client disconnects.
+
+A client request becomes one engine request per choice (n) and prompt; they are added all or
+nothing, run in the same batches as everyone else's, and are aborted together when the client
+goes away (their KV blocks and adapter references are freed on the engine thread's next turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from inference.engine.outputs import RequestOutput, TokenLogprob
+from inference.engine.sampling_params import SamplingParams
+from inference.server import sse
+from inference.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from inference.server.errors import APIError, from_value_error, model_not_found
+from inference.server.protocol import _Sampling
+
+RETRY_AFTER_SECONDS = 1
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+@dataclass
+class Choice:
+    """One engine request's accumulated result (non-streaming) or stream state."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    sent_role: bool = False
+
+
+def sampling_params(body: _Sampling, *, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
+    """The engine's SamplingParams for choice `choice` of a request. With n > 1 and a seed,
+    choice i uses seed + i: each choice is reproducible and the choices differ."""
+    values: dict = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": body.ignore_eos}
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                 "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            values[name] = value
+    if body.seed is not None:
+        values["seed"] = body.seed + choice
+    if body.stop is not None:
+        values["stop"] = body.stop
+    if body.stop_token_ids is not None:
+        values["stop_token_ids"] = body.stop_token_ids
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, *, served_names: list[str], capacity: Callable[[], int]) -> None:
+        """capacity(): how many engine requests may be in the worker at once (running slots plus
+        the bounded waiting queue); beyond it requests get 503 + Retry-After."""
+        self.engine = engine
+        self.served_names = served_names
+        self.capacity = capacity
+
+    # -- before the engine --------------------------------------------------------
+    def check_ready(self) -> None:
+        if self.engine.error is not None:
+            raise APIError(503, f"the engine stopped: {self.engine.error}", type="service_unavailable")
+        if not self.engine.ready.is_set():
+            raise APIError(503, "the model is still loading; retry shortly", type="service_unavailable",
+                           headers={"Retry-After": "5"})
+
+    def resolve_model(self, model: str) -> str | None:
+        """The adapter name `model` selects, or None for the base model; 404 if neither."""
+        if model in self.served_names:
+            return None
+        adapters = getattr(self.engine.engine, "list_adapters", None)
+        if adapters is not None and any(a.name == model for a in adapters()):
+            return model
+        raise model_not_found(model)
+
+    def admit(self, count: int) -> None:
+        """Backpressure: refuse when the worker already holds its bound of requests. An idle
+        worker takes any one request, so a large n is never refused forever."""
+        in_flight = self.engine.in_flight
+        if in_flight and in_flight + count > self.capacity():
+            raise APIError(
+                503, f"the server is overloaded ({in_flight} requests in flight); retry later",
+                type="service_unavailable", code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+
+    async def submit(self, requests: list[dict], *, prompt_param: str) -> RequestStream:
+        self.admit(len(requests))
+        try:
+            return await self.engine.add(requests)
+        except ValueError as exc:
+            raise from_value_error(exc, prompt_param=prompt_param) from None
+        except LookupError as exc:  # the adapter was unloaded between resolve and add
+            raise APIError(404, str(exc).strip("'\""), param="model", code="model_not_found") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type="service_unavailable") from None
+
+    # -- running ------------------------------------------------------------------
+    async def collect(self, stream: RequestStream, choices: dict[str, Choice], request: Request) -> None:
+        """Non-streaming: accumulate every output into `choices`; abort if the client leaves."""
+        async def run() -> None:
+            async for out in self.engine.outputs(stream):
+                choice = choices[out.request_id]
+                choice.text = out.text
+                choice.token_ids = out.token_ids
+                choice.prompt_tokens = out.usage.prompt_tokens
+                if out.delta_logprobs:
+                    choice.logprobs.extend(out.delta_logprobs)
+                if out.finished:
+                    choice.finish_reason = out.finish_reason
+                    raise_if_error(out)
+
+        await until_disconnected(run(), request, on_gone=lambda: self.engine.abort(stream))
+
+    def stream_response(self, stream: RequestStream, first: RequestOutput,
+                        events: Callable[[RequestOutput], list[str]], final: Callable[[], list[str]]) -> Response:
+        """SSE: `events(out)` turns each output into SSE lines, `final()` ends the stream (usage
+        chunk); an error from the engine becomes an error event."""
+        async def body() -> AsyncIterator[str]:
+            try:
+                for line in events(first):
+                    yield line
+                if stream.unfinished:
+                    async for out in self.engine.outputs(stream):
+                        raise_if_error(out)
+                        for line in events(out):
+                            yield line
+                for line in final():
+                    yield line
+            except APIError as exc:
+                yield sse.error_event(exc)
+            except EngineDeadError as exc:
+                yield sse.error_event(APIError(503, str(exc), type="service_unavailable"))
+            finally:
+                self.engine.abort(stream)  # a disconnect lands here: free the KV at once
+            yield sse.DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=sse.HEADERS)
+
+    async def first_output(self, stream: RequestStream, request: Request) -> RequestOutput:
+        """The first output, before the 200 goes out, so an adapter that fails to load is
+        still a plain 400 (and a client that leaves while queued is noticed)."""
+        async def first() -> RequestOutput:
+            item = await stream.get()
+            raise_if_error(item)
+            return item
+
+        try:
+            return await until_disconnected(first(), request, on_gone=lambda: self.engine.abort(stream))
+        except BaseException:
+            self.engine.abort(stream)
+            raise
+
+
+def usage(choices: dict[str, Choice]) -> dict:
+    """OpenAI's usage object: a prompt is billed once however many choices were sampled from it."""
+    prompt = sum({c.prompt_index: c.prompt_tokens for c in choices.values()}.values())
+    completion = sum(len(c.token_ids) for c in choices.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def raise_if_error(out: RequestOutput) -> None:
+    if out.finished and out.finish_reason == "error":
+        raise APIError(400, getattr(out, "error", None) or "the request failed", param="model",
+                       code="adapter_load_failed")
+
+
+async def until_disconnected(coro, request: Request, *, on_gone: Callable[[], None]):
+    """Run `coro`, cancelling it (and calling on_gone) if the client disconnects first."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        on_gone()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    on_gone()
+    raise ClientGone()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def engine_kwargs(body: _Sampling, lora: str | None) -> dict:
+    kwargs: dict = {"tenant": body.tenant}
+    if body.tenant_weight is not None:
+        kwargs["weight"] = body.tenant_weight
+    if lora is not None:
+        kwargs["lora"] = lora
+    return kwargs
