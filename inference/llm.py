@@ -6,6 +6,8 @@
     llm.chat([{"role": "user", "content": "Hi"}])  # chat messages through the checkpoint's template
     for delta in llm.stream("Once upon a time"):  # streaming deltas
         print(delta.delta_text, end="")
+    llm.generate(prompts, params, lora=LoRARequest("pirate", "adapters/pirate"))  # a LoRA adapter
+    llm.generate(prompts, params, lora=["pirate", None])  # one adapter (or None: base) per prompt
 
 All prompts of one call run together through continuous batching.
 """
@@ -18,8 +20,10 @@ from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput
 from inference.engine.sampling_params import SamplingParams
+from inference.lora.request import LoRARequest
 
 Messages = list[dict]
+LoRA = str | LoRARequest | None
 
 
 class LLM:
@@ -32,25 +36,35 @@ class LLM:
         self,
         prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora: LoRA | list[LoRA] = None,
     ) -> list[RequestOutput]:
-        """Prompts as text or token ids; one SamplingParams for all or one per prompt."""
+        """Prompts as text or token ids; one SamplingParams for all or one per prompt; one
+        adapter (a registered name or a LoRARequest) for all or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([{"prompt": p} for p in prompts], params)
+        return self._run([{"prompt": p} for p in prompts], params, lora)
 
     def chat(
-        self, conversations: Messages | list[Messages], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        conversations: Messages | list[Messages],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        lora: LoRA | list[LoRA] = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self._run([{"messages": m} for m in conversations], params)
+        return self._run([{"messages": m} for m in conversations], params, lora)
 
     def stream(
-        self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *, messages: Messages | None = None
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Messages | None = None,
+        lora: LoRA = None,
     ) -> Iterator[RequestOutput]:
         """Yields this request's outputs step by step; `delta_text` pieces concatenate to the final text."""
-        request_id = self.engine.add_request(prompt, params, messages=messages)
+        request_id = self.engine.add_request(prompt, params, messages=messages, lora=lora)
         try:
             while True:
                 for out in self.engine.step():
@@ -61,16 +75,29 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)  # no-op once finished; frees KV if the caller stops early
 
-    def _run(self, requests: list[dict], params: SamplingParams | list[SamplingParams] | None) -> list[RequestOutput]:
+    def add_adapter(self, name: str, path: str, *, pin: bool = False):
+        """Validate and load a PEFT adapter directory under `name`; returns its AdapterInfo."""
+        return self.engine.add_adapter(name, path, pin=pin)
+
+    def _run(
+        self,
+        requests: list[dict],
+        params: SamplingParams | list[SamplingParams] | None,
+        lora: LoRA | list[LoRA] = None,
+    ) -> list[RequestOutput]:
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(requests)
         if len(params) != len(requests):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(requests)} prompts")
+        if not isinstance(lora, list):
+            lora = [lora] * len(requests)
+        if len(lora) != len(requests):
+            raise ValueError(f"lora: {len(lora)} adapters for {len(requests)} prompts")
         ids: list[str] = []
         try:
-            for request, p in zip(requests, params, strict=True):
-                ids.append(self.engine.add_request(params=p, **request))
-        except ValueError:
+            for request, p, adapter in zip(requests, params, lora, strict=True):
+                ids.append(self.engine.add_request(params=p, lora=adapter, **request))
+        except (ValueError, LookupError):
             for request_id in ids:  # all or nothing: don't leave half a batch running
                 self.engine.abort_request(request_id)
             self.engine.step()

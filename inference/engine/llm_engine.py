@@ -30,6 +30,7 @@ from inference.config import EngineConfig
 from inference.engine.attention import allocate_kv_cache
 from inference.engine.block_manager import BlockManager
 from inference.engine.detokenizer import IncrementalDetokenizer
+from inference.engine.fair_queue import FairQueue
 from inference.engine.model_runner import ModelRunner
 from inference.engine.outputs import RequestOutput, TokenLogprob, Usage
 from inference.engine.sampler import Sampler, SamplingBatch, make_generator
@@ -129,6 +130,8 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.block_manager,
+            # Weighted fair queuing between tenants (S-LoRA's VTC); exactly FCFS without tenant ids.
+            waiting=FairQueue(),
             adapters=self.lora,
         )
         self.runner = ModelRunner(

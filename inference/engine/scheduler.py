@@ -116,7 +116,7 @@ class FcfsQueue:
         return len(self._items)
 
     def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._items)
+        return iter(list(self._items))  # a snapshot: the scheduler removes as it admits
 
     def charge(self, seq: Sequence, num_tokens: int) -> None:
         """Service accounting hook of the waiting-queue protocol; FCFS keeps no counters."""
@@ -211,7 +211,7 @@ class Scheduler:
 
         # 2. Admit waiting sequences, unless this step had to preempt (no room to grow).
         if not out.preempted:
-            for seq in list(self.waiting):
+            for seq in self.waiting:  # the queue's iterator tolerates remove() while iterating
                 if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
                 n = seq.num_uncomputed_tokens

@@ -138,14 +138,18 @@ class LoRAManager:
         """Validate and load `path` under `name` in the background; returns a Future of its
         AdapterInfo, failing with AdapterError. The name switches to the new adapter only
         once it loaded: a bad adapter leaves the one already served untouched."""
+        return self._start_load(name, path, pin)[1]
+
+    def _start_load(self, name: str, path: str | Path, pin: bool) -> tuple[AdapterRecord, Future]:
         check_name(name)
         record = AdapterRecord(name=name, path=Path(path), future=Future())
         done: Future = Future()
         with self._lock:
             self._pending[name] = record
             record.future = self.cache.load_new((record.path, name))
+        # (A fast failure may run the callback right here, before this returns.)
         record.future.add_done_callback(lambda f: self._on_loaded(record, f, pin, done))
-        return done
+        return record, done
 
     def _on_loaded(self, record: AdapterRecord, future: Future, pin: bool, done: Future) -> None:
         exc = future.exception()
@@ -210,8 +214,7 @@ class LoRAManager:
                     None,
                 )  # fmt: skip
                 if record is None:
-                    self.add(lora.name, path)
-                    record = self._pending[lora.name]
+                    record, _ = self._start_load(lora.name, path, pin=False)
             else:
                 record = self._current.get(lora) or self._pending.get(lora)
                 if record is None:
