@@ -26,6 +26,11 @@ INSTALLED_APPS = [
     "portal.core",
     "portal.tenants",
     "portal.keys",
+    "portal.adapters",
+    "portal.quotas",
+    "portal.fleet",
+    "portal.usage",
+    "portal.gateway",
 ]
 
 MIDDLEWARE = [

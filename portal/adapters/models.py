@@ -1,0 +1,92 @@
+"""A tenant's adapters and their immutable versions.
+
+    Adapter          tenant + name (what the tenant calls it: `tenant-slug/name` on the API)
+      └─ AdapterVersion  number (v1, v2, ...), uid (the immutable id the workers know it by),
+                         where the workers read its files, status
+
+Until the adapter-lifecycle work (uploads, validation, staging, deployments) lands, staff
+register versions in the Django admin with a path the inference workers can read.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.core.validators import RegexValidator
+from django.db import models
+
+from portal.tenants.models import Tenant
+
+validate_adapter_name = RegexValidator(
+    r"^[a-z0-9][a-z0-9._-]{0,62}[a-z0-9]$|^[a-z0-9]$",
+    "Use 1-64 lowercase letters, digits, dots, underscores or hyphens, starting and ending with a letter or digit.",
+)
+
+
+class Adapter(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="adapters")
+    name = models.CharField(max_length=64, validators=[validate_adapter_name])
+    description = models.TextField(blank=True)
+    base_model = models.CharField(max_length=200, blank=True, help_text="The base model it was trained on.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["tenant__slug", "name"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="adapter_unique_name_per_tenant")]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+    @property
+    def public_id(self) -> str:
+        return f"{self.tenant.slug}/{self.name}"
+
+
+class AdapterVersion(models.Model):
+    class Status(models.TextChoices):
+        UPLOADED = "uploaded", "Uploaded"
+        VALIDATING = "validating", "Validating"
+        READY = "ready", "Ready"
+        REJECTED = "rejected", "Rejected"
+        RETIRED = "retired", "Retired"
+
+    adapter = models.ForeignKey(Adapter, on_delete=models.CASCADE, related_name="versions")
+    number = models.PositiveIntegerField()
+    # The id inference workers know this version by; never reused, so no worker cache keyed
+    # by it can serve other weights.
+    uid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    source_path = models.CharField(
+        max_length=1000, blank=True, help_text="The PEFT adapter directory as the inference workers see it."
+    )
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.READY)
+    sha256 = models.CharField(max_length=64, blank=True)
+    size_bytes = models.BigIntegerField(null=True, blank=True)
+    rank = models.PositiveIntegerField(null=True, blank=True)
+    alpha = models.FloatField(null=True, blank=True)
+    target_modules = models.JSONField(default=list, blank=True)
+    rejection_reasons = models.JSONField(default=list, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["adapter", "-number"]
+        constraints = [
+            models.UniqueConstraint(fields=["adapter", "number"], name="adapter_version_unique_number"),
+        ]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+    @property
+    def public_id(self) -> str:
+        return f"{self.adapter.public_id}@v{self.number}"
+
+    @property
+    def worker_name(self) -> str:
+        """The adapter's name on the inference workers (`lora_name`)."""
+        return f"lora-{self.uid.hex}"

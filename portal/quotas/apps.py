@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class QuotasConfig(AppConfig):
+    name = "portal.quotas"
+    label = "quotas"
+    verbose_name = "Quotas"

@@ -1,0 +1,33 @@
+"""What each plan gives a tenant: default quotas and token prices.
+
+One table, read by quotas (limits when a tenant or key has no explicit Quota row) and by
+billing (prices per million tokens). None means unlimited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+
+@dataclass(frozen=True)
+class Plan:
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_concurrent_requests: int | None
+    monthly_token_budget: int | None
+    prompt_price_per_million: Decimal  # USD per 1M prompt tokens
+    completion_price_per_million: Decimal  # USD per 1M completion tokens
+    always_warm_adapters: int  # adapters the tenant may pin on the workers
+
+
+PLANS: dict[str, Plan] = {
+    "free": Plan(60, 40_000, 4, 2_000_000, Decimal("0.10"), Decimal("0.30"), 0),
+    "team": Plan(600, 400_000, 32, 200_000_000, Decimal("0.08"), Decimal("0.24"), 2),
+    "enterprise": Plan(None, None, 256, None, Decimal("0.05"), Decimal("0.15"), 16),
+}
+
+
+def plan_for(name: str) -> Plan:
+    """The plan named `name` (a Tenant.Plan value); unknown names get the free plan's terms."""
+    return PLANS.get(name, PLANS["free"])
