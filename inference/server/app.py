@@ -105,10 +105,9 @@ def create_app(settings: ServerSettings, on_engine_dead: Callable[[BaseException
         data = [{"id": name, "object": "model", "created": created, "owned_by": "loraplex",
                  "root": str(settings.config.model), "parent": None, "max_model_len": llm.max_model_len}
                 for name in served_names]
-        if hasattr(llm, "list_adapters"):
-            data += [{"id": a.name, "object": "model", "created": created, "owned_by": "loraplex",
-                      "root": str(a.path), "parent": base, "max_model_len": llm.max_model_len}
-                     for a in llm.list_adapters()]
+        data += [{"id": a.name, "object": "model", "created": created, "owned_by": "loraplex",
+                  "root": str(a.path), "parent": base, "max_model_len": llm.max_model_len}
+                 for a in llm.list_adapters()]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")

@@ -227,6 +227,7 @@ class AsyncEngine:
                 while not self._commands and not self._stopping and not engine.has_unfinished_requests():
                     self._cond.wait()
                 if self._stopping:
+                    engine.shutdown()  # the adapter loader's threads
                     return
                 commands, self._commands = self._commands, []
             for command in commands:
@@ -272,4 +273,11 @@ class AsyncEngine:
             num_preemptions=stats.num_preemptions,
             prompt_tokens=stats.prompt_tokens,
             generation_tokens=stats.generation_tokens,
+            running_loras=tuple(_adapter_name(s) for s in scheduler.running if s.lora is not None),
+            waiting_loras=tuple(_adapter_name(s) for s in scheduler.waiting if s.lora is not None),
         )
+
+
+def _adapter_name(seq) -> str:
+    # seq.lora is the LoRA manager's record of the adapter the request bound to.
+    return getattr(seq.lora, "name", "?")

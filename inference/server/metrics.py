@@ -95,7 +95,7 @@ class _EngineCollector:
         yield counter("loraplex:engine_steps", "Engine steps run.", snap.num_steps)
 
         llm = engine.engine
-        if llm is None or not hasattr(llm, "list_adapters"):
+        if llm is None:
             return
         yield from self._adapters(llm, model, snap)
 

@@ -86,8 +86,7 @@ class Serving:
         """The adapter name `model` selects, or None for the base model; 404 if neither."""
         if model in self.served_names:
             return None
-        adapters = getattr(self.engine.engine, "list_adapters", None)
-        if adapters is not None and any(a.name == model for a in adapters()):
+        if self.engine.engine.has_adapter(model):
             return model
         raise model_not_found(model)
 
