@@ -22,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 WEB_HOST = os.environ.get("WEB_HOST", "127.0.0.1")
 WEB_PORT = os.environ.get("WEB_PORT", "8000")
+# The inference worker: the web side finds it through INFERENCE_URLS (default
+# http://127.0.0.1:8001); INFERENCE_ADMIN_TOKEN, when set, is shared by both (inherited env).
+INFERENCE_HOST = "127.0.0.1"
+INFERENCE_PORT = "8001"
 
 
 def step(title: str, *cmd: str) -> None:
@@ -60,6 +64,8 @@ def ensure_postgres_database() -> None:
 def processes() -> dict[str, str]:
     procs = {
         "web": f"{PY} -m uvicorn portal.asgi:application --host {WEB_HOST} --port {WEB_PORT}",
+        # Engine settings come from INFERENCE_* variables (the model: INFERENCE_MODEL or the fetched default).
+        "inference": f"{PY} -m inference serve --host {INFERENCE_HOST} --port {INFERENCE_PORT}",
     }
     if os.environ.get("REDIS_URL"):
         procs["worker"] = f"{PY} -m celery -A portal.celery worker --beat --schedule var/celerybeat-schedule --loglevel INFO --concurrency 2"
@@ -79,7 +85,8 @@ def main() -> int:
         "\nStarting the platform (Ctrl-C stops every process):\n"
         f"  portal     {base}/\n"
         f"  admin      {base}/admin/   (demo staff user: admin)\n"
-        f"  health     {base}/healthz\n",
+        f"  health     {base}/healthz\n"
+        f"  inference  http://{INFERENCE_HOST}:{INFERENCE_PORT}/v1  (OpenAI API, no auth; /ready once the model is loaded)\n",
         flush=True,
     )
     manager = Manager()
