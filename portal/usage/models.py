@@ -1,0 +1,121 @@
+"""The usage ledger and its daily rollups.
+
+    UsageRecord   one row per API request (keyed by the gateway's x-request-id), written once
+                  when the request ends, however it ends; the system of record for billing
+    DailyUsage    per (UTC day, tenant, public model id): counts, token sums and latency
+                  percentiles, rebuilt from the ledger by usage_rollup_day (Celery, hourly)
+
+Days and months are UTC days and months of `created_at` (when the request started).
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+from portal.adapters.models import AdapterVersion
+from portal.keys.models import ApiKey
+from portal.tenants.models import Tenant
+
+REQUEST_ID_MAX_LENGTH = 200
+MODEL_MAX_LENGTH = 200
+WORKER_URL_MAX_LENGTH = 500
+FINISH_REASON_MAX_LENGTH = 32
+
+
+class UsageRecord(models.Model):
+    # The gateway's x-request-id; unique, which is what makes the write exactly-once.
+    request_id = models.CharField(max_length=REQUEST_ID_MAX_LENGTH, unique=True)
+    # PROTECT: the ledger is what the tenant is billed from; it outlives nothing by accident.
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="usage_records")
+    api_key = models.ForeignKey(
+        ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="usage_records"
+    )
+    model = models.CharField(max_length=MODEL_MAX_LENGTH, help_text="The model id as the client asked.")
+    adapter_version = models.ForeignKey(
+        AdapterVersion, on_delete=models.SET_NULL, null=True, blank=True, related_name="usage_records"
+    )
+    worker_url = models.CharField(max_length=WORKER_URL_MAX_LENGTH, blank=True)
+    stream = models.BooleanField(default=False)
+    prompt_tokens = models.PositiveIntegerField(default=0)  # as the worker counted them
+    completion_tokens = models.PositiveIntegerField(default=0)
+    time_to_first_token_ms = models.FloatField(null=True, blank=True)
+    latency_ms = models.FloatField(default=0.0)
+    finish_reason = models.CharField(max_length=FINISH_REASON_MAX_LENGTH, blank=True)
+    error = models.TextField(blank=True)
+    status_code = models.PositiveSmallIntegerField(default=200)
+    client_disconnected = models.BooleanField(default=False)
+    created_at = models.DateTimeField(default=timezone.now, help_text="When the request started.")
+    finished_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(fields=["tenant", "created_at"], name="usage_record_tenant_created"),
+            models.Index(fields=["created_at"], name="usage_record_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.model} ({self.prompt_tokens}+{self.completion_tokens} tokens)"
+
+    @property
+    def is_error(self) -> bool:
+        return is_error(status_code=self.status_code, error=self.error)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def is_error(*, status_code: int, error: str) -> bool:
+    """A request counts as an error when it ended with a 4xx/5xx status or an error message."""
+    return status_code >= 400 or bool(error)
+
+
+# The same two definitions as filters on UsageRecord. "Completed" requests are the ones whose
+# timings say something about the service: no error and the client stayed to the end.
+ERROR_Q = models.Q(status_code__gte=400) | ~models.Q(error="")
+COMPLETED_Q = models.Q(status_code__lt=400, error="", client_disconnected=False)
+
+
+class DailyUsage(models.Model):
+    """One UTC day of one tenant's use of one public model id; rebuilt from the ledger."""
+
+    date = models.DateField()
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="daily_usage")
+    model = models.CharField(max_length=MODEL_MAX_LENGTH)
+    # The version that served the day's requests when they all agree; None for the base model
+    # or when a deployment split the day between versions.
+    adapter_version = models.ForeignKey(
+        AdapterVersion, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    requests = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0)
+    disconnects = models.PositiveIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    # Percentiles over the day's completed requests (no error, no client disconnect), in ms;
+    # None when there were none. Percentiles do not add up across days: ask the ledger
+    # (selectors.latency_percentiles) for a longer period.
+    ttft_p50_ms = models.FloatField(null=True, blank=True)
+    ttft_p95_ms = models.FloatField(null=True, blank=True)
+    ttft_p99_ms = models.FloatField(null=True, blank=True)
+    latency_p50_ms = models.FloatField(null=True, blank=True)
+    latency_p95_ms = models.FloatField(null=True, blank=True)
+    latency_p99_ms = models.FloatField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-date", "tenant__slug", "model"]
+        verbose_name_plural = "daily usage"
+        constraints = [
+            models.UniqueConstraint(fields=["date", "tenant", "model"], name="daily_usage_unique_day_tenant_model"),
+        ]
+        indexes = [models.Index(fields=["tenant", "date"], name="daily_usage_tenant_date")]
+
+    def __str__(self) -> str:
+        return f"{self.date} {self.tenant_id} {self.model}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
