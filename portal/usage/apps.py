@@ -1,7 +1,25 @@
+from celery.schedules import crontab
 from django.apps import AppConfig
+
+# Hourly, a few minutes past the hour: rebuild today's and yesterday's DailyUsage (yesterday
+# too, so requests that started before midnight and finished after are counted).
+BEAT_SCHEDULE = {
+    "usage-rollup-hourly": {
+        "task": "portal.usage.tasks.usage_rollup_task",
+        "schedule": crontab(minute=5),
+        "options": {"expires": 50 * 60},
+    },
+}
 
 
 class UsageConfig(AppConfig):
     name = "portal.usage"
     label = "usage"
     verbose_name = "Usage and billing"
+
+    def ready(self) -> None:
+        # Joins the beat schedule from here (as portal.fleet does), merging with what other
+        # apps added; `celery beat` runs Django's setup before it reads the schedule.
+        from portal.celery import app
+
+        app.conf.beat_schedule = {**(app.conf.beat_schedule or {}), **BEAT_SCHEDULE}

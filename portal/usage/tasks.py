@@ -1,0 +1,18 @@
+"""Celery tasks of the usage app (the beat entry is added in apps.UsageConfig.ready)."""
+
+from __future__ import annotations
+
+from datetime import date
+
+from celery import shared_task
+
+from portal.usage.services import usage_rollup_day, usage_rollup_recent
+
+
+@shared_task(name="portal.usage.tasks.usage_rollup_task")
+def usage_rollup_task(day: str | None = None) -> list[str]:
+    """Roll up one UTC day ("YYYY-MM-DD"), or yesterday and today without one (the hourly beat)."""
+    if day is not None:
+        usage_rollup_day(day=date.fromisoformat(day))
+        return [day]
+    return [rolled.isoformat() for rolled in usage_rollup_recent()]
