@@ -5,3 +5,12 @@ class FleetConfig(AppConfig):
     name = "portal.fleet"
     label = "fleet"
     verbose_name = "Inference fleet"
+
+    def ready(self) -> None:
+        # The periodic poll joins the beat schedule from here, so portal/celery.py and the
+        # settings need no fleet-specific lines. `celery beat` runs Django's setup (the Celery
+        # Django fixup) before it reads the schedule, so this is in place by then.
+        from portal.celery import app
+        from portal.fleet.tasks import BEAT_SCHEDULE
+
+        app.conf.beat_schedule = {**(app.conf.beat_schedule or {}), **BEAT_SCHEDULE}
