@@ -30,6 +30,8 @@ def usage_record_list(
 ) -> QuerySet[UsageRecord]:
     """The tenant's ledger, oldest first, optionally limited to days [start, end]."""
     records = UsageRecord.objects.filter(tenant=tenant)
+    if start is not None and end is not None:
+        days_bounds(start, end)  # validates the order
     if start is not None:
         records = records.filter(created_at__gte=days_bounds(start, start)[0])
     if end is not None:
