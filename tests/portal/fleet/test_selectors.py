@@ -1,0 +1,202 @@
+"""Routing: adapter affinity with bounded load over rendezvous hashing. rank_workers is pure
+(unsaved rows); route_candidates and base_model_name read the database."""
+
+import hashlib
+
+import pytest
+
+from portal.fleet.models import InferenceWorker
+from portal.fleet.selectors import (
+    WorkerTarget,
+    base_model_name,
+    rank_workers,
+    rendezvous_score,
+    route_candidates,
+)
+
+
+def worker(i: int, *, running: int = 0, waiting: int = 0, adapters: dict | None = None, **fields) -> InferenceWorker:
+    return InferenceWorker(pk=i, url=f"http://w{i}:8001", name=f"w{i}", healthy=True, num_running=running,
+                           num_waiting=waiting, resident_adapters=adapters or {}, **fields)
+
+
+def urls(targets: list[WorkerTarget]) -> list[str]:
+    return [t.url for t in targets]
+
+
+def hash_order(key: str, workers: list[InferenceWorker]) -> list[str]:
+    """The rendezvous order, computed here independently of the selector."""
+    return sorted((w.url for w in workers), key=lambda u: hashlib.sha256((key + u).encode()).hexdigest(), reverse=True)
+
+
+def test_without_affinity_the_order_is_rendezvous_by_adapter_name():
+    fleet = [worker(i) for i in range(5)]
+
+    for key in ("lora-a", "lora-b", "lora-c"):
+        assert urls(rank_workers(fleet, lora_name=key, max_load=10)) == hash_order(key, fleet)
+    assert urls(rank_workers(fleet, lora_name=None, max_load=10)) == hash_order("base", fleet)
+    assert rendezvous_score("k", "http://x") == hashlib.sha256(b"khttp://x").digest()
+
+
+def test_the_order_does_not_depend_on_the_row_order():
+    fleet = [worker(i) for i in range(6)]
+
+    assert rank_workers(fleet, lora_name="x", max_load=10) == rank_workers(fleet[::-1], lora_name="x", max_load=10)
+
+
+def test_workers_holding_the_adapter_come_first_least_loaded_first():
+    fleet = [
+        worker(0, running=1),
+        worker(1, running=5, waiting=2, adapters={"lora-a": "device"}),
+        worker(2, running=2, adapters={"lora-a": "host"}),
+        worker(3, adapters={"lora-a": "disk", "lora-b": "device"}),  # evicted to disk: not resident
+        worker(4, adapters={"lora-a": "failed"}),
+        worker(5, running=3, adapters={"lora-a": "loading"}),
+    ]
+
+    ranked = urls(rank_workers(fleet, lora_name="lora-a", max_load=10))
+
+    assert ranked[:3] == ["http://w2:8001", "http://w5:8001", "http://w1:8001"]
+    rest = [w for w in fleet if w.url not in ranked[:3]]
+    assert ranked[3:] == hash_order("lora-a", rest)
+
+
+def test_equally_loaded_affine_workers_break_ties_by_rendezvous_order():
+    fleet = [worker(i, running=1, adapters={"lora-a": "device"}) for i in range(4)]
+
+    assert urls(rank_workers(fleet, lora_name="lora-a", max_load=10)) == hash_order("lora-a", fleet)
+
+
+def test_the_base_model_has_no_affinity():
+    fleet = [worker(0, adapters={"base": "device"}), worker(1), worker(2)]
+
+    assert urls(rank_workers(fleet, lora_name=None, max_load=10)) == hash_order("base", fleet)
+
+
+def test_bounded_load_an_overloaded_holder_spills_to_the_rendezvous_order():
+    fleet = [worker(i) for i in range(4)]
+    holder = fleet[1]
+    holder.resident_adapters = {"lora-a": "device"}
+    holder.num_running, holder.num_waiting = 6, 4  # load 10: at the bound
+
+    ranked = urls(rank_workers(fleet, lora_name="lora-a", max_load=10))
+
+    others = [w for w in fleet if w is not holder]
+    assert ranked == [*hash_order("lora-a", others), holder.url]  # a last resort, still listed
+
+    holder.num_waiting = 3  # load 9: under the bound, affinity wins again
+    assert urls(rank_workers(fleet, lora_name="lora-a", max_load=10))[0] == holder.url
+
+
+def test_overloaded_workers_go_last_even_without_affinity():
+    fleet = [worker(i) for i in range(5)]
+    first = hash_order("lora-z", fleet)[0]
+    next(w for w in fleet if w.url == first).num_running = 50
+
+    ranked = urls(rank_workers(fleet, lora_name="lora-z", max_load=10))
+
+    assert ranked[-1] == first
+    assert ranked[:-1] == [u for u in hash_order("lora-z", fleet) if u != first]
+
+
+def test_adding_a_worker_moves_only_about_one_nth_of_the_adapters():
+    adapters = [f"lora-{i:04x}" for i in range(2000)]
+    fleet = [worker(i) for i in range(9)]
+
+    def owners(workers):
+        return {name: rank_workers(workers, lora_name=name, max_load=10)[0].url for name in adapters}
+
+    before, after = owners(fleet), owners([*fleet, worker(9)])
+
+    moved = [name for name in adapters if before[name] != after[name]]
+    assert all(after[name] == "http://w9:8001" for name in moved)  # they move only to the newcomer
+    assert 0.07 < len(moved) / len(adapters) < 0.13  # about 1/10
+    load = {url: list(before.values()).count(url) for url in set(before.values())}
+    assert len(load) == 9 and max(load.values()) < 1.35 * len(adapters) / 9  # spread evenly
+
+    # Removing a worker moves only the adapters it owned.
+    gone = fleet[4].url
+    without = owners([w for w in fleet if w.url != gone])
+    assert {name for name in adapters if without[name] != before[name]} == {
+        name for name in adapters if before[name] == gone
+    }
+
+
+def test_targets_carry_url_name_and_id():
+    fleet = [worker(7), InferenceWorker(pk=8, url="http://w8:8001", name="", healthy=True)]
+
+    targets = {t.url: t for t in rank_workers(fleet, lora_name="x", max_load=10)}
+
+    assert targets["http://w7:8001"] == WorkerTarget(url="http://w7:8001", name="w7", id=7)
+    assert targets["http://w8:8001"] == WorkerTarget(url="http://w8:8001", name="w8:8001", id=8)
+
+
+# ----------------------------------------------------------------------- with the database
+
+
+@pytest.mark.django_db
+def test_route_candidates_excludes_unhealthy_and_disabled_workers(settings):
+    settings.INFERENCE_URLS = ["http://w0:8001", "http://w1:8001", "http://w2:8001"]
+    InferenceWorker.objects.create(url="http://w0:8001", healthy=True, resident_adapters={"lora-a": "device"})
+    InferenceWorker.objects.create(url="http://w1:8001", healthy=False, resident_adapters={"lora-a": "device"})
+    InferenceWorker.objects.create(url="http://w2:8001", healthy=True, enabled=False)
+    InferenceWorker.objects.create(url="http://w3:8001", healthy=True)  # added in the admin
+
+    assert urls(route_candidates(lora_name="lora-a")) == ["http://w0:8001", "http://w3:8001"]
+    assert sorted(urls(route_candidates(lora_name=None))) == ["http://w0:8001", "http://w3:8001"]
+
+
+@pytest.mark.django_db
+def test_route_candidates_uses_the_default_bound_and_accepts_one(settings):
+    InferenceWorker.objects.create(url="http://w0:8001", healthy=True, num_running=20,
+                                   resident_adapters={"lora-a": "device"})
+    InferenceWorker.objects.create(url="http://w1:8001", healthy=True)
+    InferenceWorker.objects.create(url="http://w2:8001", healthy=True)
+
+    assert urls(route_candidates(lora_name="lora-a"))[0] == "http://w0:8001"  # under 64
+    assert urls(route_candidates(lora_name="lora-a", max_load=20))[-1] == "http://w0:8001"
+    settings.FLEET_MAX_LOAD = 10
+    assert urls(route_candidates(lora_name="lora-a"))[-1] == "http://w0:8001"
+
+
+@pytest.mark.django_db
+def test_nothing_healthy_yet_falls_back_to_settings_in_rendezvous_order(settings):
+    settings.INFERENCE_URLS = [f"http://w{i}:8001" for i in range(4)] + ["http://w4:8001/"]
+    fallback = [worker(i) for i in range(5)]
+
+    targets = route_candidates(lora_name="lora-a")
+
+    assert urls(targets) == hash_order("lora-a", fallback)
+    assert all(t.id is None for t in targets)
+    assert targets[0].name == targets[0].url.removeprefix("http://")
+
+    # Rows polled unhealthy: still the fallback (the poll may be stale); disabled rows are left out.
+    InferenceWorker.objects.create(url="http://w0:8001", healthy=False)
+    InferenceWorker.objects.create(url="http://w1:8001", healthy=False, enabled=False)
+    assert urls(route_candidates(lora_name="lora-a")) == hash_order("lora-a", [w for w in fallback if w.pk != 1])
+
+    # As soon as one row is healthy, only healthy rows are candidates.
+    InferenceWorker.objects.create(url="http://w9:8001", healthy=True)
+    assert urls(route_candidates(lora_name="lora-a")) == ["http://w9:8001"]
+
+
+@pytest.mark.django_db
+def test_no_settings_and_no_rows_means_no_candidates(settings):
+    settings.INFERENCE_URLS = []
+
+    assert route_candidates(lora_name=None) == []
+
+
+@pytest.mark.django_db
+def test_base_model_name_prefers_healthy_workers_then_the_last_known():
+    assert base_model_name() is None
+
+    InferenceWorker.objects.create(url="http://w0:8001", healthy=False, base_model="old-base")
+    assert base_model_name() == "old-base"
+
+    InferenceWorker.objects.create(url="http://w1:8001", healthy=True, base_model="smollm2")
+    InferenceWorker.objects.create(url="http://w2:8001", healthy=True, base_model="smollm2")
+    InferenceWorker.objects.create(url="http://w3:8001", healthy=True, base_model="other")
+    InferenceWorker.objects.create(url="http://w4:8001", healthy=True, enabled=False, base_model="other")
+    InferenceWorker.objects.create(url="http://w5:8001", healthy=True, enabled=False, base_model="other")
+    assert base_model_name() == "smollm2"
