@@ -1,4 +1,11 @@
-from django.urls import path  # noqa: F401
+from django.urls import path, re_path
+
+from portal.gateway import views
 
 app_name = "gateway"
-urlpatterns: list = []
+urlpatterns = [
+    path("chat/completions", views.chat_completions, name="chat-completions"),
+    path("completions", views.completions, name="completions"),
+    path("models", views.models, name="models"),
+    re_path(r"^(?P<path>.*)$", views.not_found, name="not-found"),
+]

@@ -1,0 +1,188 @@
+"""Edge validation of /v1 request bodies: what the gateway itself relies on.
+
+The gateway reads `model`, `messages`/`prompt`, `stream`, `stream_options`, `max_tokens`,
+`max_completion_tokens` and `n` (to resolve, estimate quota and relay), so those are checked
+here with OpenAI's strictness (no coercions: "5" is not an integer, 1 is not a boolean) and a
+400 naming the parameter. Every other sampling field passes through to the inference worker,
+which validates it strictly and answers its own 400 in the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from portal.gateway.errors import GatewayError
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+MAX_CHOICES = 128  # the worker's bound on n × prompts
+# Fields only the gateway may set (the worker's fair scheduler trusts them).
+GATEWAY_FIELDS = ("tenant", "tenant_weight")
+
+
+def bad(param: str | None, message: str) -> GatewayError:
+    return GatewayError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    if not raw:
+        raise bad(None, "request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise bad(None, "request body is not UTF-8") from None
+    except (ValueError, RecursionError) as exc:
+        raise bad(None, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad(None, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_positive_int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise bad(name, f"must be an integer, got {type(value).__name__}")
+    if value < 1:
+        raise bad(name, f"must be at least 1, got {value}")
+    return value
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list):
+        raise bad("messages", f"must be a list of message objects, got {type(messages).__name__}")
+    if not messages:
+        raise bad("messages", "must contain at least one message")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(where, f"must be an object, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise bad(f"{where}.role", "is required and must be a string")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise bad(f"{where}.content", "must be a string or a list of text parts")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{where}.content[{j}]", "must be a text part {\"type\": \"text\", \"text\": ...}")
+
+
+def _check_prompt(prompt: Any) -> int:
+    """The number of prompts in `prompt`; 400 unless str | list[int] | list[str | list[int]]."""
+    if isinstance(prompt, str):
+        return 1
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt", "must be a string, a list of token ids, or a non-empty list of those")
+    if all(_is_int(t) for t in prompt):
+        return 1
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            continue
+        if isinstance(item, list) and item and all(_is_int(t) for t in item):
+            continue
+        raise bad(f"prompt[{i}]", "must be a string or a non-empty list of token ids")
+    return len(prompt)
+
+
+def validate(endpoint: str, body: dict) -> dict:
+    """Check what the gateway relies on; returns the body (unchanged) or raises a 400."""
+    if not isinstance(body, dict):
+        raise bad(None, "request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise bad("model", "is required")
+    if not isinstance(model, str) or not model.strip():
+        raise bad("model", "must be a non-empty string")
+    if len(model) > 300:
+        raise bad("model", "is too long")
+    if endpoint == CHAT:
+        if "messages" not in body:
+            raise bad("messages", "is required")
+        _check_messages(body["messages"])
+        prompts = 1
+    else:
+        if "prompt" not in body:
+            raise bad("prompt", "is required")
+        prompts = _check_prompt(body["prompt"])
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream", f"must be a boolean, got {type(stream).__name__}")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad("stream_options", "must be an object")
+        if not stream:
+            raise bad("stream_options", "only allowed when stream is true")
+        include = options.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise bad("stream_options.include_usage", "must be a boolean")
+    _optional_positive_int(body, "max_tokens")
+    if endpoint == CHAT:
+        _optional_positive_int(body, "max_completion_tokens")
+    n = _optional_positive_int(body, "n") or 1
+    if n * prompts > MAX_CHOICES:
+        raise bad("n", f"asks for {n * prompts} choices; at most {MAX_CHOICES} per request")
+    for name in GATEWAY_FIELDS:
+        if name in body:
+            raise bad(name, "is set by the gateway from your API key; do not send it")
+    return body
+
+
+def wants_stream(body: dict) -> bool:
+    return bool(body.get("stream"))
+
+
+def wants_usage_chunk(body: dict) -> bool:
+    options = body.get("stream_options") or {}
+    return bool(options.get("include_usage"))
+
+
+def max_output_tokens(body: dict, *, default: int) -> int:
+    return body.get("max_completion_tokens") or body.get("max_tokens") or default
+
+
+def estimate_prompt_tokens(endpoint: str, body: dict) -> int:
+    """Prompt characters / 4 (a validated body): the quota estimate before the worker counts."""
+    chars = 0
+    if endpoint == CHAT:
+        for message in body["messages"]:
+            content = message.get("content")
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(part["text"]) for part in content)
+            chars += 8  # the template's role markers
+    else:
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif all(_is_int(t) for t in prompt):
+            chars = 4 * len(prompt)
+        else:
+            chars = sum(len(p) if isinstance(p, str) else 4 * len(p) for p in prompt)
+    return chars // 4
+
+
+def estimate_tokens(endpoint: str, body: dict, *, default_max_tokens: int) -> int:
+    """What a request may cost before it runs: the prompt estimate plus the output bound per
+    choice (quota admission takes this; settlement replaces it with the worker's count)."""
+    prompts = 1
+    if endpoint == COMPLETIONS and isinstance(body["prompt"], list) and not all(_is_int(t) for t in body["prompt"]):
+        prompts = len(body["prompt"])
+    n = body.get("n") or 1
+    output = max_output_tokens(body, default=default_max_tokens) * n * prompts
+    return max(1, estimate_prompt_tokens(endpoint, body) + output)

@@ -1,0 +1,113 @@
+"""/v1: the OpenAI-compatible API. Async views, no thread held per stream: the pipeline is
+portal.gateway.services; these views only read HTTP, call it and write HTTP (errors in OpenAI's
+shape, x-request-id on every response, SSE for streams)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from portal.gateway import services
+from portal.gateway.errors import GatewayError
+from portal.gateway.validation import parse_json_object
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer tokens
+DONE = b"data: [DONE]\n\n"
+
+
+def _dumps(data: dict) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def _with_ids(response: HttpResponse, request: HttpRequest, request_id: str, headers: dict | None = None) -> HttpResponse:
+    for name, value in (headers or {}).items():
+        response[name] = value
+    response["x-request-id"] = request_id
+    client_id = request.headers.get("x-request-id") or request.headers.get("x-client-request-id")
+    if client_id:
+        # the client's own id is echoed apart: ours is the one the ledger knows
+        response["x-client-request-id"] = client_id[:200].encode("latin-1", "replace").decode("latin-1")
+    return response
+
+
+def error_response(request: HttpRequest, exc: GatewayError, request_id: str) -> HttpResponse:
+    return _with_ids(JsonResponse(exc.body(), status=exc.status), request, request_id, exc.headers)
+
+
+def _method_not_allowed(request: HttpRequest, allowed: str, request_id: str) -> HttpResponse:
+    exc = GatewayError(405, f"{request.method} is not allowed here; use {allowed}",
+                       code="method_not_allowed", headers={"allow": allowed})
+    return error_response(request, exc, request_id)
+
+
+def _body(request: HttpRequest) -> dict:
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        raise GatewayError(413, "request body too large") from None
+    return parse_json_object(raw)
+
+
+async def _sse(completion: services.Completion) -> AsyncIterator[bytes]:
+    chunks = completion.chunks()
+    try:
+        async for chunk in chunks:
+            yield f"data: {_dumps(chunk)}\n\n".encode()
+        yield DONE
+    finally:
+        await chunks.aclose()  # runs the ledger at once, whoever stops the iteration
+        await completion.aclose()  # (a no-op once chunks() started)
+
+
+async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
+    request_id = services.new_request_id()
+    if request.method != "POST":
+        return _method_not_allowed(request, "POST", request_id)
+    try:
+        api_key = await services.api_key_from_authorization(request.headers.get("authorization"))
+        try:
+            body = _body(request)
+        except GatewayError as exc:
+            await services.completion_rejected(api_key=api_key, request_id=request_id, error=exc)
+            raise
+        completion = await services.completion_stream(
+            api_key=api_key, endpoint=endpoint, body=body, request_id=request_id)
+    except GatewayError as exc:
+        return error_response(request, exc, request_id)
+    if not completion.stream:
+        return _with_ids(JsonResponse(completion.json, safe=False), request, request_id, completion.headers)
+    response = StreamingHttpResponse(_sse(completion), content_type="text/event-stream", headers=SSE_HEADERS)
+    return _with_ids(response, request, request_id, completion.headers)
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _completion(request, services.CHAT)
+
+
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await _completion(request, services.COMPLETIONS)
+
+
+@csrf_exempt
+async def models(request: HttpRequest) -> HttpResponse:
+    request_id = services.new_request_id()
+    if request.method != "GET":
+        return _method_not_allowed(request, "GET", request_id)
+    try:
+        api_key = await services.api_key_from_authorization(request.headers.get("authorization"))
+        data = await services.models_list(api_key=api_key)
+    except GatewayError as exc:
+        return error_response(request, exc, request_id)
+    return _with_ids(JsonResponse({"object": "list", "data": data}), request, request_id)
+
+
+@csrf_exempt
+async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
+    exc = GatewayError(404, f"Invalid URL ({request.method} /v1/{path})", code="unknown_url")
+    return error_response(request, exc, services.new_request_id())
