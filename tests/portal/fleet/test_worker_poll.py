@@ -168,20 +168,22 @@ def test_a_poll_does_not_overwrite_what_staff_changed_meanwhile(fake_worker):
 
 
 def test_fleet_poll_syncs_settings_and_polls_enabled_workers_in_parallel(make_fake_worker, dead_url, settings):
-    good, slow = make_fake_worker(running=0, waiting=0), make_fake_worker(delay=2.0)
+    good = make_fake_worker(running=0, waiting=0)
+    slow = [make_fake_worker(delay=2.0) for _ in range(3)]
     disabled = make_fake_worker()
-    settings.INFERENCE_URLS = [good.url, slow.url + "/", dead_url]
+    settings.INFERENCE_URLS = [good.url, slow[0].url + "/", slow[1].url, dead_url]
+    row(slow[2].url)  # added in the admin
     row(disabled.url, enabled=False)
 
     start = time.monotonic()
     workers = fleet_poll(timeout=httpx.Timeout(0.5, connect=0.5))
     elapsed = time.monotonic() - start
 
-    assert elapsed < 1.5  # the slow worker's timeout did not hold up the others
+    assert elapsed < 1.2  # three 0.5 s timeouts in parallel, not one after the other
     by_url = {w.url: w for w in workers}
-    assert set(by_url) == {good.url, slow.url, dead_url}
+    assert set(by_url) == {good.url, dead_url, *(s.url for s in slow)}
     assert by_url[good.url].healthy
-    assert not by_url[slow.url].healthy and "timed out" in by_url[slow.url].last_error
+    assert all(not by_url[s.url].healthy and "timed out" in by_url[s.url].last_error for s in slow)
     assert not by_url[dead_url].healthy and "cannot connect" in by_url[dead_url].last_error
     assert disabled.requests == []
     assert [t.url for t in route_candidates(lora_name="lora-a")] == [good.url]
