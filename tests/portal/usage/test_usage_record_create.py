@@ -56,10 +56,14 @@ def test_a_second_call_returns_the_first_row_unchanged(tenant):
 
 
 @pytest.mark.django_db
-def test_an_overlong_model_id_is_cut_not_refused(tenant):
-    record = usage_record_create(request_id="req-1", tenant=tenant, model="x" * 5000, status_code=404)
+def test_an_overlong_model_id_is_cut_and_missing_texts_are_blank(tenant):
+    record = usage_record_create(
+        request_id="req-1", tenant=tenant, model="x" * 5000, status_code=404, worker_url=None, error=None,
+        finish_reason=None,
+    )
 
     assert record.model == "x" * MODEL_MAX_LENGTH and record.is_error
+    assert (record.worker_url, record.error, record.finish_reason) == ("", "", "")
 
 
 @pytest.mark.django_db
