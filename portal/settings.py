@@ -127,6 +127,9 @@ CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_IGNORE_RESULT = True  # tasks report through the database, not a result backend
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
+# Until the tenant portal has its own sign-in page, the admin's serves every login redirect.
+LOGIN_URL = "/admin/login/"
+
 INFERENCE_URLS = list(CONFIG.inference_urls)
 INFERENCE_ADMIN_TOKEN = CONFIG.inference_admin_token
 
