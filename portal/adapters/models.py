@@ -4,8 +4,11 @@
       └─ AdapterVersion  number (v1, v2, ...), uid (the immutable id the workers know it by),
                          where the workers read its files, status
 
-Until the adapter-lifecycle work (uploads, validation, staging, deployments) lands, staff
-register versions in the Django admin with a path the inference workers can read.
+      Deployment     per adapter: weights over its versions (canary splits, rollback)
+      AuditEvent     who changed what, per tenant
+
+Tenants upload versions (status uploaded -> validating -> ready | rejected); staff may still
+register a version in the Django admin with a `source_path` the inference workers can read.
 """
 
 from __future__ import annotations
@@ -67,6 +70,16 @@ class AdapterVersion(models.Model):
     alpha = models.FloatField(null=True, blank=True)
     target_modules = models.JSONField(default=list, blank=True)
     rejection_reasons = models.JSONField(default=list, blank=True)
+    # Storage-relative directory holding adapter_config.json + adapter_model.safetensors
+    # after extraction (empty for staff-registered versions that only have source_path).
+    storage_dir = models.CharField(max_length=500, blank=True)
+    # {filename: sha256 hex} of the stored files: what a worker checks after downloading.
+    file_sha256 = models.JSONField(default=dict, blank=True)
+    base_model = models.CharField(max_length=200, blank=True, help_text="base_model_name_or_path from its config.")
+    validated_at = models.DateTimeField(null=True, blank=True)
+    retired_at = models.DateTimeField(null=True, blank=True)
+    # {worker_url: {"status": "pending|staged|failed", "attempts": n, "error": str, "at": iso}}
+    staging = models.JSONField(default=dict, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )
@@ -90,3 +103,41 @@ class AdapterVersion(models.Model):
     def worker_name(self) -> str:
         """The adapter's name on the inference workers (`lora_name`)."""
         return f"lora-{self.uid.hex}"
+
+
+class Deployment(models.Model):
+    """How `tenant/name` (no @vN) picks a version: weights over version numbers.
+
+    weights: {"<version number>": int weight}, e.g. {"3": 90, "4": 10}; empty means the
+    newest ready version."""
+
+    adapter = models.OneToOneField(Adapter, on_delete=models.CASCADE, related_name="deployment")
+    weights = models.JSONField(default=dict, blank=True)
+    always_warm = models.BooleanField(default=False)
+    updated_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"deployment of {self.adapter.public_id}"
+
+
+class AuditEvent(models.Model):
+    """One change a person (or the system, actor None) made to a tenant's adapters."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="audit_events")
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    action = models.CharField(max_length=64, db_index=True)  # e.g. "version.uploaded"
+    target = models.CharField(max_length=300, blank=True)  # e.g. "acme/bot@v3"
+    details = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["tenant", "-created_at"], name="audit_tenant_created")]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.target}"
