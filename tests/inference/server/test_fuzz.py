@@ -47,7 +47,7 @@ def test_fuzzed_bodies_never_get_a_5xx(server):
     completion = {"model": SERVED, "prompt": "Hello", "max_tokens": 2}
     statuses: dict[int, int] = {}
     with httpx.Client(base_url=server.url, timeout=120) as http:
-        for i in range(160):
+        for i in range(120):
             kind = i % 4
             if kind == 0:
                 path, content = "/v1/chat/completions", json.dumps(_mutate(rng, chat, CHAT_FIELDS))
@@ -70,4 +70,4 @@ def test_fuzzed_bodies_never_get_a_5xx(server):
                 error = r.json()["error"]
                 assert set(error) == {"message", "type", "param", "code"}, r.text
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-    assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 50, statuses
+    assert statuses.get(200, 0) >= 5 and statuses.get(400, 0) >= 40, statuses
