@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
@@ -87,6 +88,14 @@ def kv_cache_num_blocks(config: EngineConfig, model_config, dtype: torch.dtype) 
     return max(1, budget // bytes_per_block)
 
 
+def served_model_name(path: Path) -> str:
+    """The name clients use for the base: the checkpoint's file or directory name, without a
+    GGUF quantisation suffix ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct")."""
+    if path.suffix == ".gguf":
+        return re.sub(r"\.(?:I?Q\d[\w]*|F16|F32|BF16)$", "", path.stem, flags=re.IGNORECASE)
+    return path.resolve().name
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
@@ -102,7 +111,7 @@ class LLMEngine:
         self.model = load_model(path, dtype=self.dtype, device=self.device, progress=progress)
         self.model_config = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(path)
-        self.model_name = self.model_config.name or path.stem
+        self.model_name = served_model_name(path)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
