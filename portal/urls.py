@@ -1,9 +1,13 @@
 from django.contrib import admin
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 urlpatterns = [
     path("", include("portal.core.urls")),
     path("admin/", admin.site.urls),
     path("v1/", include("portal.gateway.urls")),  # the OpenAI-compatible API
     path("usage/", include("portal.usage.urls")),
+    path("api/v1/", include("portal.adapters.api.urls")),  # the tenant REST API (DRF)
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),  # OpenAPI 3
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
 ]

@@ -1,0 +1,15 @@
+"""/api/v1/ (mounted from portal/urls.py): the tenant-scoped REST API."""
+
+from rest_framework.routers import SimpleRouter
+
+from portal.adapters.api import views
+
+TENANT = r"tenants/(?P<tenant_slug>[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?)"
+
+router = SimpleRouter()
+router.register(rf"{TENANT}/adapters", views.AdapterViewSet, basename="adapter")
+router.register(rf"{TENANT}/adapters/(?P<adapter_name>[^/]+)/versions", views.VersionViewSet, basename="adapter-version")
+router.register(rf"{TENANT}/audit-events", views.AuditEventViewSet, basename="audit-event")
+
+app_name = "api"
+urlpatterns = router.urls
