@@ -110,6 +110,30 @@ def create_app(settings: ServerSettings, on_engine_dead: Callable[[BaseException
                  for a in llm.list_adapters()]
         return {"object": "list", "data": data}
 
+    @app.get("/v1/base_model")
+    async def base_model() -> dict:
+        """The base's shapes and the adapter limits: what an adapter must match to load here
+        (the portal validates uploads against it before staging them)."""
+        serving.check_ready()
+        llm = engine.engine
+        c = llm.model_config
+        return {
+            "name": served_names[0],
+            "checkpoint_name": c.name,
+            "num_hidden_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "vocab_size": c.vocab_size,
+            "max_model_len": llm.max_model_len,
+            "dtype": settings.config.dtype,
+            "max_loras": settings.config.max_loras,
+            "max_cpu_loras": settings.config.max_cpu_loras,
+            "max_lora_rank": settings.config.max_lora_rank,
+        }
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(serving, body, request)

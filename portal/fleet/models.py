@@ -54,6 +54,8 @@ class InferenceWorker(models.Model):
     kv_cache_usage = models.FloatField(default=0.0, editable=False)  # 0..1
     resident_adapters = models.JSONField(default=dict, blank=True, editable=False)  # {lora_name: tier}
     memory = models.JSONField(default=dict, blank=True, editable=False)  # {kind: bytes}
+    # The base's shapes and adapter limits from GET /v1/base_model (what uploads validate against).
+    base_config = models.JSONField(default=dict, blank=True, editable=False)
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -96,6 +96,15 @@ def base_model_name() -> str | None:
     return last
 
 
+def base_model_config() -> dict | None:
+    """The served base's shapes and adapter limits (GET /v1/base_model of a healthy worker
+    serving base_model_name()), or None when no worker has reported them."""
+    name = base_model_name()
+    rows = InferenceWorker.objects.filter(enabled=True, base_model=name).exclude(base_config={})
+    row = rows.order_by("-healthy", F("last_seen_at").desc(nulls_last=True)).first()
+    return dict(row.base_config) if row else None
+
+
 def worker_list() -> list[InferenceWorker]:
     """Every worker row, for dashboards."""
     return list(InferenceWorker.objects.order_by("url"))

@@ -49,6 +49,7 @@ class Probe:
     kv_cache_usage: float = 0.0
     resident_adapters: dict[str, str] = field(default_factory=dict)
     memory: dict[str, int | float] = field(default_factory=dict)
+    base_config: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -114,6 +115,7 @@ def _record(*, worker: InferenceWorker, probe: Probe, now: datetime) -> Inferenc
             "kv_cache_usage": probe.kv_cache_usage,
             "resident_adapters": probe.resident_adapters,
             "memory": probe.memory,
+            "base_config": probe.base_config,
         }
     else:
         # Keep base_model (the last one known); forget load and residency: nothing is known.
@@ -148,6 +150,7 @@ def probe_worker(url: str, *, client: httpx.Client, admin_token: str | None = No
         base_model, registered = _read_models(client, url)
         probe = _read_metrics(client, url)
         probe.base_model = base_model
+        probe.base_config = _read_base_config(client, url)
         adapters, warning = _read_adapters(client, url, admin_token)
         if adapters is None:
             # Fall back to what needs no token: residency gauges in /metrics, else the names.
@@ -219,6 +222,21 @@ def _read_models(client: httpx.Client, url: str) -> tuple[str, list[str]]:
     if not bases:
         raise PollError("GET /v1/models: no base model listed")
     return bases[0], [m["id"] for m in data if m.get("parent") is not None]
+
+
+def _read_base_config(client: httpx.Client, url: str) -> dict:
+    """GET /v1/base_model (the base's shapes and adapter limits); {} from a worker without it."""
+    try:
+        response = _get(client, url, "/v1/base_model")
+    except PollError:
+        return {}
+    if response.status_code != 200:
+        return {}
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _read_adapters(client: httpx.Client, url: str, admin_token: str | None) -> tuple[dict | None, str]:

@@ -147,3 +147,10 @@ async def test_32_concurrent_streams_over_8_adapters_equal_offline_greedy(lora_s
     assert lora_server.metric("loraplex:adapter_resident", adapter="ad0", tier="device") in (0.0, 1.0)
     assert lora_server.metric("loraplex:memory_bytes", kind="base_weights") > 0
     assert lora_server.metric("loraplex:lora_cache_loads_total") >= 8
+
+
+def test_base_model_route_describes_what_an_adapter_must_match(lora_server):
+    body = httpx.get(f"{lora_server.url}/v1/base_model", timeout=30).json()
+    assert body["name"] == TINY and body["num_hidden_layers"] == 3 and body["hidden_size"] == 64
+    assert body["max_lora_rank"] >= 1 and body["max_loras"] >= 1
+    assert {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"} <= set(body)

@@ -111,6 +111,10 @@ class FakeWorker:
             data = [{"id": BASE, "object": "model", "parent": None, "root": "/models/x.gguf"}]
             data += [{"id": a["name"], "object": "model", "parent": BASE, "root": a["path"]} for a in self.adapters]
             return 200, "application/json", json.dumps({"object": "list", "data": data})
+        if path == "/v1/base_model":
+            shapes = {"name": BASE, "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+                      "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_lora_rank": 16}
+            return 200, "application/json", json.dumps(shapes)
         if path == "/v1/adapters":
             if self.admin_token and headers.get("Authorization") != f"Bearer {self.admin_token}":
                 error = {"message": "adapter routes need 'Authorization: Bearer <admin token>'",

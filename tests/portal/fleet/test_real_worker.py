@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from portal.fleet.models import InferenceWorker
-from portal.fleet.selectors import base_model_name, route_candidates
+from portal.fleet.selectors import base_model_config, base_model_name, route_candidates
 from portal.fleet.services import fleet_poll
 
 pytestmark = pytest.mark.django_db
@@ -131,6 +131,9 @@ def test_poll_a_real_worker_then_see_it_die(real_worker, settings):
     assert 0.0 <= worker.kv_cache_usage <= 1.0
     assert "fleet-ad" in worker.resident_adapters
     assert worker.memory["base_weights"] > 0 and worker.memory["kv_cache"] > 0
+    # The base's shapes, for validating uploads against what the workers serve.
+    assert worker.base_config["name"] == "tiny" and worker.base_config["max_lora_rank"] >= 1
+    assert base_model_config()["hidden_size"] == worker.base_config["hidden_size"] > 0
 
     # A request for the adapter puts it in a device slot; the next poll sees it there.
     response = httpx.post(f"{url}/v1/completions", json={"model": "fleet-ad", "prompt": "t5 t6 t7", "max_tokens": 2},

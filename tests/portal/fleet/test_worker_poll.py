@@ -35,7 +35,10 @@ def test_a_healthy_worker_records_load_kv_memory_base_model_and_adapter_tiers(fa
                             "host_adapters": 2_097_152, "process_resident_memory_bytes": 1_500_000_000}
         assert w.last_seen_at is not None and w.last_polled_at == w.last_seen_at
     assert stored.has_resident("lora-a") and stored.has_resident("lora-b") and not stored.has_resident("lora-c")
-    assert [path for path, _ in fake_worker.requests] == ["/ready", "/v1/models", "/metrics", "/v1/adapters"]
+    assert w.base_config["hidden_size"] == 576 and w.base_config["max_lora_rank"] == 16
+    assert [path for path, _ in fake_worker.requests] == [
+        "/ready", "/v1/models", "/metrics", "/v1/base_model", "/v1/adapters"
+    ]
 
 
 def test_the_admin_token_goes_to_the_adapter_route_only(make_fake_worker, settings):
@@ -45,7 +48,7 @@ def test_the_admin_token_goes_to_the_adapter_route_only(make_fake_worker, settin
     worker = worker_poll(worker=row(fake.url))
 
     assert worker.healthy and worker.last_error == ""
-    assert dict(fake.requests) == {"/ready": None, "/v1/models": None, "/metrics": None,
+    assert dict(fake.requests) == {"/ready": None, "/v1/models": None, "/v1/base_model": None, "/metrics": None,
                                    "/v1/adapters": "Bearer s3cret"}
 
 
