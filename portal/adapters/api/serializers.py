@@ -115,6 +115,16 @@ class AdapterUpdateSerializer(serializers.Serializer):
     description = serializers.CharField(max_length=10_000, required=False, allow_blank=True)
     base_model = serializers.CharField(max_length=200, required=False, allow_blank=True)
 
+    def validate(self, attrs):
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if "name" in unknown:
+            raise serializers.ValidationError(
+                {"name": "An adapter's name cannot be changed (it is part of its model id); create a new adapter."}
+            )
+        if unknown:
+            raise serializers.ValidationError(f"Unknown fields: {', '.join(unknown)}.")
+        return attrs
+
 
 class AuditEventSerializer(serializers.ModelSerializer):
     actor = serializers.SlugRelatedField(slug_field="username", read_only=True)
