@@ -78,18 +78,13 @@ def audit_event_list(*, tenant: Tenant) -> QuerySet[AuditEvent]:
 
 
 def base_shapes_current() -> BaseShapes:
-    """The shapes uploads are validated against: the fleet's base model as a healthy worker
-    described it (InferenceWorker.base_config, when the fleet records it), else the default
-    SmolLM2-135M-Instruct. The max rank is settings.ADAPTER_MAX_LORA_RANK when set."""
-    max_rank = int(getattr(settings, "ADAPTER_MAX_LORA_RANK", None) or SMOLLM2_135M.max_lora_rank)
-    from portal.fleet.models import InferenceWorker
+    """The shapes uploads are validated against: the fleet's base model as its workers describe
+    it (GET /v1/base_model, polled into InferenceWorker.base_config), else the default
+    SmolLM2-135M-Instruct with max rank settings.ADAPTER_MAX_LORA_RANK (16 when unset)."""
+    from portal.fleet.selectors import base_model_config
 
-    if any(f.name == "base_config" for f in InferenceWorker._meta.get_fields()):
-        workers = InferenceWorker.objects.filter(enabled=True, healthy=True).order_by("url")
-        for worker in workers:
-            shapes = BaseShapes.from_config(getattr(worker, "base_config", None), default_max_rank=max_rank)
-            if shapes is not None:
-                if not shapes.name:
-                    shapes = BaseShapes(**{**shapes.__dict__, "name": worker.base_model})
-                return shapes
+    max_rank = int(getattr(settings, "ADAPTER_MAX_LORA_RANK", None) or SMOLLM2_135M.max_lora_rank)
+    shapes = BaseShapes.from_config(base_model_config(), default_max_rank=max_rank)
+    if shapes is not None:
+        return shapes
     return BaseShapes(**{**SMOLLM2_135M.__dict__, "max_lora_rank": max_rank})

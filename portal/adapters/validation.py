@@ -93,7 +93,8 @@ class BaseShapes:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
             return cls(
-                name=str(config.get("name") or config.get("model") or config.get("_name_or_path") or ""),
+                # The checkpoint's own name is what the engine compares base_model_name_or_path with.
+                name=str(config.get("checkpoint_name") or config.get("name") or config.get("_name_or_path") or ""),
                 num_hidden_layers=int(config["num_hidden_layers"]),
                 hidden_size=hidden,
                 intermediate_size=int(config["intermediate_size"]),

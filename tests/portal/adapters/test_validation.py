@@ -214,3 +214,19 @@ def test_same_verdict_as_the_engine(tmp_path, config_index) -> None:
         assert result.ok == engine_ok, (i, engine_reason, result.reasons)
         if not engine_ok:
             assert result.reasons, engine_reason
+
+
+def test_base_shapes_from_the_fleet(db, monkeypatch) -> None:
+    from portal.adapters import selectors
+    from portal.fleet.models import InferenceWorker
+
+    monkeypatch.undo()  # the autouse fixture replaced base_shapes_current with TINY
+    assert selectors.base_shapes_current() == SMOLLM2_135M  # nothing polled yet: the default
+    InferenceWorker.objects.create(
+        url="http://w1:8001", healthy=True, base_model="smollm2",
+        base_config={"name": "smollm2", "checkpoint_name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "num_hidden_layers": 2,
+                     "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "head_dim": 8, "max_lora_rank": 32},
+    )
+    shapes = selectors.base_shapes_current()
+    assert (shapes.num_hidden_layers, shapes.max_lora_rank, shapes.name) == (2, 32, "Smollm2 135M 8k Lc100K Mix1 Ep2")
