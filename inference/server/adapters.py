@@ -1,6 +1,13 @@
 """Adapter management routes, compatible with vLLM's (`/v1/load_lora_adapter`,
 `/v1/unload_lora_adapter`), plus pin/unpin and a listing with each adapter's cache state.
 
+A load names its adapter either by a local directory (`lora_path`, vLLM's field) or by a URL
+to fetch it from (`lora_url` + `files` {filename: sha256}, optional `auth_token` sent to that
+URL as a Bearer token): the worker downloads both PEFT files into its adapter cache, checks
+their sha256 and size (inference/server/fetch.py), then loads the directory as a path.
+Fetch errors are 400s with the reason (codes adapter_fetch_failed, adapter_checksum_mismatch,
+adapter_too_large).
+
 Loading validates and reads the adapter on the engine's loader, never on the event loop
 (`add_adapter(wait=False)` hands back a future). A bad adapter is a 400 with the validation
 reason and never disturbs the adapters already resident. When an admin token is configured,
@@ -11,12 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import Field
 
 from inference.lora.validation import AdapterError
 from inference.server.errors import APIError
+from inference.server.fetch import FetchError, FetchSettings, fetch_adapter
 from inference.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
+
+
+class LoadLoraAdapterRequest(LoadAdapterRequest):
+    """vLLM's body, plus a fetchable source: exactly one of lora_path / lora_url."""
+
+    lora_path: Annotated[str, Field(min_length=1)] | None = None
+    lora_url: Annotated[str, Field(min_length=1, max_length=2000)] | None = None
+    files: dict[str, str] | None = None
+    auth_token: str | None = None
 
 
 def _require_admin(request: Request) -> None:
@@ -60,18 +79,43 @@ def _not_found(name: str) -> APIError:
 
 
 @router.post("/v1/load_lora_adapter")
-async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> dict:
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> dict:
     engine = _engine(request)
     if body.lora_name in request.app.state.serving.served_names:
         raise APIError(400, f"lora_name: '{body.lora_name}' is the base model's name", param="lora_name")
+    if (body.lora_path is None) == (body.lora_url is None):
+        raise APIError(400, "give exactly one of lora_path (a local directory) or lora_url (with files)",
+                       param="lora_path")
+    path = body.lora_path
+    if body.lora_url is not None:
+        if body.files is None:
+            raise APIError(400, "files: lora_url needs files {filename: sha256}", param="files")
+        try:
+            path = str(await fetch_adapter(lora_name=body.lora_name, lora_url=body.lora_url, files=body.files,
+                                           auth_token=body.auth_token, settings=_fetch_settings(request)))
+        except FetchError as exc:
+            raise APIError(400, f"adapter '{body.lora_name}': {exc.message}", param=exc.param,
+                           code=exc.code) from None
     try:
-        future = engine.add_adapter(body.lora_name, body.lora_path, pin=body.pin, wait=False)
+        future = engine.add_adapter(body.lora_name, path, pin=body.pin, wait=False)
         info = await asyncio.wrap_future(future)
     except AdapterError as exc:
         raise APIError(400, str(exc), param="lora_path", code="adapter_invalid") from None
     except ValueError as exc:  # e.g. pinning more than max_loras - 1
         raise APIError(400, str(exc), param="pin" if body.pin else "lora_path") from None
     return {"object": "adapter", **adapter_json(info)}
+
+
+def _fetch_settings(request: Request) -> FetchSettings:
+    """From the environment, once per app (tests may set app.state.fetch_settings)."""
+    settings = getattr(request.app.state, "fetch_settings", None)
+    if settings is None:
+        try:
+            settings = FetchSettings.from_env()
+        except ValueError as exc:
+            raise APIError(500, f"adapter cache settings: {exc}", type="internal_server_error") from None
+        request.app.state.fetch_settings = settings
+    return settings
 
 
 @router.post("/v1/unload_lora_adapter")
