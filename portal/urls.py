@@ -8,6 +8,7 @@ urlpatterns = [
     path("v1/", include("portal.gateway.urls")),  # the OpenAI-compatible API
     path("usage/", include("portal.usage.urls")),
     path("api/v1/", include("portal.adapters.api.urls")),  # the tenant REST API (DRF)
+    path("internal/", include("portal.adapters.internal_urls")),  # for the inference workers only
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),  # OpenAPI 3
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
 ]
