@@ -320,8 +320,13 @@ def _validate_stored(version: AdapterVersion, tmp: Path, base: BaseShapes):
 
 def _finish_validation(version: AdapterVersion, reasons: list[str], result) -> AdapterVersion | None:
     with transaction.atomic():
-        current = AdapterVersion.objects.select_for_update().select_related("adapter__tenant").get(pk=version.pk)
-        if current.status != AdapterVersion.Status.VALIDATING:  # retired or deleted meanwhile
+        current = (
+            AdapterVersion.objects.select_for_update().select_related("adapter__tenant").filter(pk=version.pk).first()
+        )
+        if current is None or current.status != AdapterVersion.Status.VALIDATING:
+            # Retired or deleted meanwhile: whatever this run stored is garbage now.
+            storage_dir = version.storage_dir
+            transaction.on_commit(lambda: _delete_dir(storage_dir))
             return None
         current.validated_at = timezone.now()
         if result is not None and not reasons:

@@ -283,3 +283,36 @@ def test_version_numbers_are_never_reused(adapter, member, tmp_path) -> None:
     adapter_version_retire(version=version, actor=member)
     version = adapter_version_upload(adapter=adapter, files=two_files(write_peft(tmp_path / "b", seed=9)), actor=member)
     assert version.number == 3
+
+
+def test_a_version_retired_or_deleted_while_validating_is_left_alone(
+    adapter, member, tmp_path, monkeypatch, storage_root, django_capture_on_commit_callbacks
+) -> None:
+    from portal.adapters.services import adapter_delete, adapter_version_retire
+
+    version = adapter_version_upload(adapter=adapter, files=[upload("a.zip", zip_dir(write_peft(tmp_path / "a")))],
+                                     actor=member)
+    real = services._validate_stored
+
+    def retire_midway(v, tmp, base):
+        outcome = real(v, tmp, base)  # stores the extracted files
+        adapter_version_retire(version=v, actor=member)
+        return outcome
+
+    monkeypatch.setattr("portal.adapters.services._validate_stored", retire_midway)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert adapter_version_validate(version_id=version.id) is None
+    version.refresh_from_db()
+    assert version.status == "retired" and stored_files(storage_root) == []
+
+    other = adapter_version_upload(adapter=adapter, files=two_files(write_peft(tmp_path / "b", seed=2)), actor=member)
+
+    def delete_midway(v, tmp, base):
+        outcome = real(v, tmp, base)
+        adapter_delete(adapter=adapter, actor=member)
+        return outcome
+
+    monkeypatch.setattr("portal.adapters.services._validate_stored", delete_midway)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert adapter_version_validate(version_id=other.id) is None
+    assert not AdapterVersion.objects.exists() and stored_files(storage_root) == []
