@@ -333,3 +333,11 @@ def test_the_openapi_schema_renders_with_every_route(api) -> None:
     assert "multipart/form-data" in upload_op["requestBody"]["content"]
     assert "ApiKeyAuth" in schema["components"]["securitySchemes"]
     assert set(schema["paths"][f"{prefix}/{{name}}/deployment/"]) >= {"get", "put"}
+
+
+def test_always_warm_is_plan_gated(api, adapter, ready) -> None:
+    response = api.put(f"{BASE}bot/deployment/", {"always_warm": True}, format="json")
+    assert response.status_code == 403 and response.json()["code"] == "limit_exceeded", response.json()
+    assert "free plan allows 0 always-warm adapters" in response.json()["detail"]
+    assert Deployment.objects.get(adapter=adapter).always_warm is False
+    assert api.put(f"{BASE}bot/deployment/", {}, format="json").status_code == 400
