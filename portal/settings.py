@@ -33,6 +33,7 @@ INSTALLED_APPS = [
     "portal.fleet",
     "portal.usage",
     "portal.gateway",
+    "portal.console",
 ]
 
 MIDDLEWARE = [

@@ -4,6 +4,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 urlpatterns = [
     path("", include("portal.core.urls")),
+    path("", include("portal.console.urls")),  # the tenant portal: /login/, /t/<slug>/...
     path("admin/", admin.site.urls),
     path("v1/", include("portal.gateway.urls")),  # the OpenAI-compatible API
     path("usage/", include("portal.usage.urls")),

@@ -1,0 +1,80 @@
+"""Edge validation for the portal's forms; the services decide everything else and their
+InvalidInput errors come back onto the form (add_service_error) as inline messages."""
+
+from __future__ import annotations
+
+from django import forms
+
+from portal.core.exceptions import InvalidInput
+
+
+def add_service_error(form: forms.Form, error: InvalidInput) -> None:
+    """Show a service's InvalidInput on the field it names, or above the form."""
+    field = error.field if error.field in form.fields else None
+    form.add_error(field, error.message)
+
+
+class ApiKeyCreateForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="A label for you, e.g. “staging server”.")
+    expires_at = forms.DateTimeField(
+        required=False, help_text="Optional, UTC, e.g. 2027-01-31 00:00.",
+        widget=forms.DateTimeInput(attrs={"placeholder": "YYYY-MM-DD HH:MM"}),
+    )
+    allowed_models = forms.CharField(
+        required=False, help_text="Optional: model ids this key may call, one per line (empty: any).",
+        widget=forms.Textarea(attrs={"rows": 2}),
+    )
+
+    def clean_allowed_models(self) -> list[str] | None:
+        lines = [line.strip() for line in self.cleaned_data["allowed_models"].splitlines()]
+        models = [line for line in lines if line]
+        return models or None
+
+
+class AdapterCreateForm(forms.Form):
+    name = forms.CharField(max_length=64, help_text="Letters, digits, dots, dashes, underscores.")
+    description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+
+
+class MultipleFileInput(forms.ClearableFileInput):
+    allow_multiple_selected = True
+
+
+class MultipleFileField(forms.FileField):
+    widget = MultipleFileInput
+
+    def clean(self, data, initial=None):
+        if not data:
+            raise forms.ValidationError("Choose adapter_config.json and adapter_model.safetensors, or one .zip/.tar.gz.")
+        files = data if isinstance(data, list | tuple) else [data]
+        return [super(MultipleFileField, self).clean(item, initial) for item in files]
+
+
+class UploadForm(forms.Form):
+    files = MultipleFileField(
+        help_text="adapter_config.json + adapter_model.safetensors (PEFT), or one .zip / .tar.gz of them."
+    )
+
+
+class WeightsForm(forms.Form):
+    """One integer field per ready version: weight_<number>."""
+
+    def __init__(self, *args, versions=(), current: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        current = current or {}
+        self.numbers = []
+        for version in versions:
+            self.numbers.append(version.number)
+            self.fields[f"weight_{version.number}"] = forms.IntegerField(
+                label=f"v{version.number}", min_value=0, max_value=1_000_000, required=False,
+                initial=current.get(str(version.number), 0),
+            )
+
+    def weights(self) -> dict[int, int]:
+        """{number: weight} with zero weights kept out; {} = the newest ready version."""
+        result = {}
+        for number in self.numbers:
+            weight = self.cleaned_data.get(f"weight_{number}") or 0
+            if weight:
+                result[number] = weight
+        return result
