@@ -87,3 +87,9 @@ def client_for():
 @pytest.fixture
 def mia(member, client_for) -> Client:
     return client_for(member)
+
+
+@pytest.fixture
+def on_commit(django_capture_on_commit_callbacks):
+    """Run what services enqueue on commit (validation) inside the test's transaction."""
+    return django_capture_on_commit_callbacks
