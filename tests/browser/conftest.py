@@ -1,0 +1,204 @@
+"""Browser tests: Playwright driving Debian's chromium (/usr/bin/chromium, headless) against the
+portal's ASGI app (portal.asgi:application) served by uvicorn on a thread of this process (so it
+reads the test database, as in tests/portal/gateway/conftest.py) and a real inference worker.
+
+Skipped, with the reason, when chromium or the playwright package is missing:
+`bash deploy/local/ensure-browser.sh` installs both. Screenshots of every page visited go to
+tests/browser/artifacts/ (gitignored)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+import types
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+ADMIN_TOKEN = "browser-test-admin"
+PASSWORD = "browser-test-pass-1"
+
+
+def _missing() -> str | None:
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is missing (run deploy/local/ensure-browser.sh)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is missing (run deploy/local/ensure-browser.sh)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _missing()
+    if reason is None:
+        return
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
+    from django.conf import settings
+
+    settings.DATABASES["default"].setdefault("TEST", {})["NAME"] = "test_loraplex_browser"
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory):
+    from tests.portal.gateway.conftest import start_worker
+
+    proc = start_worker(tmp_path_factory, "browser")
+    yield proc
+    proc.stop()
+
+
+@dataclass
+class LivePortal:
+    url: str
+
+
+@pytest.fixture(scope="session")
+def portal_server(django_db_setup, django_db_blocker) -> LivePortal:
+    import uvicorn
+    from django.conf import settings
+
+    settings.WHITENOISE_USE_FINDERS = True  # static files straight from static/ (no collectstatic)
+    settings.WHITENOISE_AUTOREFRESH = True
+    from tests.portal.gateway.conftest import free_port
+
+    from portal.asgi import application
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, lifespan="off",
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, name="browser-uvicorn", daemon=True)
+    with django_db_blocker.unblock():
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the portal did not start")
+            time.sleep(0.02)
+        yield LivePortal(f"http://127.0.0.1:{port}")
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture
+def live(portal_server, worker, transactional_db, settings, monkeypatch, tmp_path) -> LivePortal:
+    """The live portal routed to the session's worker; uploads validated in-process (eager Celery)
+    against the default model's shapes; staging to workers stubbed out (recorded)."""
+    from portal.celery import app
+    from portal.gateway import services
+
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    settings.INFERENCE_URLS = [worker.url]
+    settings.INFERENCE_ADMIN_TOKEN = ADMIN_TOKEN
+    settings.QUOTA_KEY_PREFIX = f"test:browser:{uuid.uuid4().hex}:"
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    settings.STORAGES = {**settings.STORAGES, "default": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(storage)}}}
+    settings.MEDIA_ROOT = str(storage)
+    services._base_cache.clear()
+    module = types.ModuleType("portal.adapters.staging")
+    module.version_stage_enqueue = lambda *, version: None
+    module.version_unstage = lambda *, version: None
+    monkeypatch.setitem(sys.modules, "portal.adapters.staging", module)
+    previous = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    yield portal_server
+    app.conf.task_always_eager = previous
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    if ARTIFACTS.exists():
+        shutil.rmtree(ARTIFACTS)
+    ARTIFACTS.mkdir(parents=True)
+    return ARTIFACTS
+
+
+@pytest.fixture
+def browser(live, artifacts):
+    """Per test (about a second): Playwright's sync API runs an event loop on this thread while it
+    lives, and the database teardown of transactional_db must not run under it."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(20_000)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.js_errors = errors
+    yield page
+    context.close()
+
+
+def shot(page, name: str) -> Path:
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def off_loop(fn, *args, **kwargs):
+    """Run ORM code from a test: Playwright's sync API keeps an event loop running on this thread,
+    where Django refuses synchronous queries, so they run on a short-lived thread (the rows are
+    committed: transactional_db)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    def call():
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(call).result()
+
+
+def make_user(username: str, tenant_roles: dict):
+    """A user with PASSWORD who is a member of each tenant slug with the given role."""
+    return off_loop(_make_user, username, tenant_roles)
+
+
+def _make_user(username: str, tenant_roles: dict):
+    from django.contrib.auth import get_user_model
+
+    from portal.tenants.models import Tenant
+    from portal.tenants.services import membership_create, tenant_create
+
+    user = get_user_model().objects.create_user(username=username, password=PASSWORD)
+    for slug, role in tenant_roles.items():
+        tenant = Tenant.objects.filter(slug=slug).first() or tenant_create(slug=slug, name=f"{slug.title()} Inc")
+        membership_create(tenant=tenant, user=user, role=role)
+    return user
+
+
+def log_in(page, live: LivePortal, username: str) -> None:
+    page.goto(f"{live.url}/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{live.url}/t/")
