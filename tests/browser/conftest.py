@@ -75,9 +75,8 @@ def portal_server(django_db_setup, django_db_blocker) -> LivePortal:
 
     settings.WHITENOISE_USE_FINDERS = True  # static files straight from static/ (no collectstatic)
     settings.WHITENOISE_AUTOREFRESH = True
-    from tests.portal.gateway.conftest import free_port
-
     from portal.asgi import application
+    from tests.portal.gateway.conftest import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, lifespan="off",
