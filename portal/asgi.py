@@ -1,6 +1,7 @@
 """ASGI entry point of the web process: `uvicorn portal.asgi:application`.
 
-HTTP only for now; the playground issue adds a "websocket" route to the router.
+HTTP: Django. Websockets (the playground): the session's user (AuthMiddlewareStack), only from
+an Origin in ALLOWED_HOSTS (AllowedHostsOriginValidator), routed by portal.playground.routing.
 """
 
 import os
@@ -10,7 +11,17 @@ from portal.config import load_config_or_exit
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 load_config_or_exit(os.environ)
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402 -- after the config check
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402 -- after the config check
 from django.core.asgi import get_asgi_application  # noqa: E402
 
-application = ProtocolTypeRouter({"http": get_asgi_application()})
+django_asgi_app = get_asgi_application()  # sets Django up before anything imports models
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+
+from portal.playground.routing import websocket_urlpatterns  # noqa: E402
+
+application = ProtocolTypeRouter({
+    "http": django_asgi_app,
+    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+})

@@ -1,0 +1,147 @@
+"""The playground's websocket: authenticate from the session, check the tenant membership,
+run one chat at a time through the gateway pipeline (playground.services), forward its
+deltas, and cancel it on request or disconnect.
+
+Client → server:  {"type": "chat", "model", "messages", "max_tokens"?, "temperature"?}
+                  {"type": "cancel"}
+Server → client:  {"type": "ready", "tenant"}
+                  {"type": "start", "request_id", "model"}
+                  {"type": "delta", "text"}               (model output: plain text, never markup)
+                  {"type": "usage", "prompt_tokens", "completion_tokens"}
+                  {"type": "done", "request_id", "finish_reason", "ttft_ms", "tokens_per_second"}
+                  {"type": "cancelled", "request_id"}
+                  {"type": "error", "status", "code", "message"}
+Refused connections close with 4401 (no session) or 4404 (not a member, unknown tenant).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from portal.gateway.errors import GatewayError
+from portal.gateway.services import new_request_id
+from portal.playground.services import playground_completion_stream
+from portal.tenants.models import Membership
+from portal.tenants.selectors import membership_get, tenant_get_by_slug
+
+CHAT_FIELDS = ("model", "messages", "max_tokens", "temperature")
+CLOSE_UNAUTHENTICATED = 4401
+CLOSE_NOT_FOUND = 4404
+
+
+@database_sync_to_async
+def _membership(user, slug: str) -> Membership | None:
+    tenant = tenant_get_by_slug(slug=slug)
+    if tenant is None:
+        return None
+    membership = membership_get(tenant=tenant, user=user)
+    if membership is not None:
+        membership.tenant = tenant
+    return membership
+
+
+class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
+    membership: Membership | None = None
+    task: asyncio.Task | None = None
+    request_id: str | None = None
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        self.membership = await _membership(user, self.scope["url_route"]["kwargs"]["slug"])
+        if self.membership is None:
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        await self.accept()
+        await self.send_json({"type": "ready", "tenant": self.membership.tenant.slug})
+
+    async def disconnect(self, code: int) -> None:
+        await self._cancel()
+
+    async def receive_json(self, content, **kwargs) -> None:
+        kind = content.get("type") if isinstance(content, dict) else None
+        if kind == "cancel":
+            request_id = self.request_id
+            if await self._cancel():
+                await self.send_json({"type": "cancelled", "request_id": request_id})
+            return
+        if kind != "chat":
+            await self._error(400, "invalid_message", 'send {"type": "chat", ...} or {"type": "cancel"}')
+            return
+        if self.task is not None and not self.task.done():
+            await self._error(409, "busy", "a generation is already running; stop it first")
+            return
+        if self.membership.role == Membership.Role.VIEWER:
+            await self._error(403, "read_only", "viewers cannot run generations in this tenant")
+            return
+        body = {name: content[name] for name in CHAT_FIELDS if name in content}
+        self.request_id = new_request_id()
+        self.task = asyncio.create_task(self._generate(body, self.request_id))
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        try:
+            content = await self.decode_json(text_data) if text_data else None
+        except ValueError:
+            content = None
+        await self.receive_json(content)
+
+    async def _cancel(self) -> bool:
+        """Stop the running generation (closing the worker's stream aborts its request)."""
+        task, self.task = self.task, None
+        if task is None or task.done():
+            return False
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return True
+
+    async def _error(self, status: int, code: str | None, message: str) -> None:
+        await self.send_json({"type": "error", "status": status, "code": code, "message": message})
+
+    async def _generate(self, body: dict, request_id: str) -> None:
+        started = time.monotonic()
+        first: float | None = None
+        tokens = 0
+        finish_reason = None
+        try:
+            completion = await playground_completion_stream(
+                tenant=self.membership.tenant, body=body, request_id=request_id)
+        except GatewayError as exc:
+            await self._error(exc.status, exc.code, exc.message)
+            return
+        try:
+            await self.send_json({"type": "start", "request_id": request_id, "model": completion.model})
+            async with contextlib.aclosing(completion.chunks()) as chunks:
+                async for chunk in chunks:
+                    if "error" in chunk:
+                        error = chunk["error"]
+                        await self._error(502, error.get("code"), str(error.get("message") or "the worker failed"))
+                        continue
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict):
+                        tokens = int(usage.get("completion_tokens") or 0)
+                        await self.send_json({"type": "usage", "prompt_tokens": usage.get("prompt_tokens"),
+                                              "completion_tokens": usage.get("completion_tokens")})
+                    for choice in chunk.get("choices") or []:
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                        text = (choice.get("delta") or {}).get("content")
+                        if text:
+                            if first is None:
+                                first = time.monotonic()
+                            await self.send_json({"type": "delta", "text": text})
+        finally:
+            await completion.aclose()  # a no-op once the chunks started: they write the ledger
+        now = time.monotonic()
+        decode = now - first if first is not None else 0.0
+        await self.send_json({
+            "type": "done", "request_id": request_id, "finish_reason": finish_reason,
+            "ttft_ms": round((first - started) * 1000, 1) if first is not None else None,
+            "tokens_per_second": round((tokens - 1) / decode, 1) if tokens > 1 and decode > 0 else None,
+        })
