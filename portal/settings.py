@@ -34,6 +34,8 @@ INSTALLED_APPS = [
     "portal.usage",
     "portal.gateway",
     "portal.console",
+    "portal.playground",
+    "portal.dashboards",
 ]
 
 MIDDLEWARE = [
