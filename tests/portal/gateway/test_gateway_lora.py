@@ -32,8 +32,8 @@ def test_adapter_loads_lazily_and_changes_the_answer(acme, worker, live, adapter
     assert version.worker_name not in worker_adapters(worker)
 
     client = sdk(live, acme.key)
-    base = client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=8, temperature=0)
-    raw = client.chat.completions.with_raw_response.create(model="acme/bot", messages=MESSAGES, max_tokens=8,
+    base = client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=5, temperature=0)
+    raw = client.chat.completions.with_raw_response.create(model="acme/bot", messages=MESSAGES, max_tokens=5,
                                                            temperature=0)
     tuned = raw.parse()
     assert tuned.model == "acme/bot"
@@ -44,7 +44,7 @@ def test_adapter_loads_lazily_and_changes_the_answer(acme, worker, live, adapter
     assert row.completion_tokens == tuned.usage.completion_tokens
 
     # the pinned version, streamed: the same greedy answer, the public id in every chunk
-    chunks = list(client.chat.completions.create(model="acme/bot@v1", messages=MESSAGES, max_tokens=8,
+    chunks = list(client.chat.completions.create(model="acme/bot@v1", messages=MESSAGES, max_tokens=5,
                                                  temperature=0, stream=True))
     assert {c.model for c in chunks} == {"acme/bot@v1"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tuned.choices[0].message.content
