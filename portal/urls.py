@@ -6,6 +6,7 @@ urlpatterns = [
     path("", include("portal.core.urls")),
     path("", include("portal.console.urls")),  # the tenant portal: /login/, /t/<slug>/...
     path("", include("portal.playground.urls")),  # /t/<slug>/playground/ (its websocket: portal/asgi.py)
+    path("dashboards/", include("portal.dashboards.urls")),  # staff only
     path("admin/", admin.site.urls),
     path("v1/", include("portal.gateway.urls")),  # the OpenAI-compatible API
     path("usage/", include("portal.usage.urls")),
