@@ -34,8 +34,10 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from portal.adapters.deployments import deployment_resolve
 from portal.adapters.models import AdapterVersion
-from portal.adapters.selectors import adapter_list_servable, adapter_version_resolve
+from portal.adapters.selectors import adapter_list_servable
+from portal.adapters.staging import version_load_body
 from portal.fleet.selectors import base_model_name, route_candidates
 from portal.gateway import validation
 from portal.gateway.errors import (
@@ -156,11 +158,13 @@ def model_allowed(api_key: ApiKey, public_id: str) -> bool:
     return public_id in allowed or public_id.split("@", 1)[0] in allowed
 
 
-async def model_resolve(*, api_key: ApiKey, model: str) -> ModelTarget:
+async def model_resolve(*, api_key: ApiKey, model: str, request_id: str = "") -> ModelTarget:
     """The base model or one of the key's tenant's ready adapter versions; 404 otherwise (the
-    same answer for another tenant's adapter as for a missing one)."""
+    same answer for another tenant's adapter as for a missing one). `tenant/name` goes through
+    the adapter's deployment (traffic split over versions, picked deterministically from the
+    request id); `tenant/name@vN` pins a version."""
     if "/" in model:
-        resolved = await sync_to_async(adapter_version_resolve)(tenant=api_key.tenant, model=model)
+        resolved = await sync_to_async(deployment_resolve)(tenant=api_key.tenant, model=model, request_id=request_id)
         if resolved is None or not model_allowed(api_key, resolved.public_id):
             raise model_not_found(model)
         return ModelTarget(resolved.public_id, resolved.version.worker_name, resolved.version)
@@ -327,7 +331,7 @@ async def _load_adapter(client: httpx.AsyncClient, url: str, target: ModelTarget
         headers["authorization"] = f"Bearer {settings.INFERENCE_ADMIN_TOKEN}"
     try:
         response = await http_client().post(
-            f"{url}/v1/load_lora_adapter", json={"lora_name": version.worker_name, "lora_path": version.source_path},
+            f"{url}/v1/load_lora_adapter", json=version_load_body(version=version),
             headers=headers, timeout=LOAD_TIMEOUT,
         )
     except httpx.HTTPError as exc:
@@ -540,7 +544,7 @@ async def completion_stream(*, api_key: ApiKey, endpoint: str, body: dict, reque
     streaming = False
     try:
         validation.validate(endpoint, body)
-        target = await model_resolve(api_key=api_key, model=body["model"])
+        target = await model_resolve(api_key=api_key, model=body["model"], request_id=request_id)
         ledger.model = target.public_id
         ledger.version = target.version
         estimated = validation.estimate_tokens(endpoint, body, default_max_tokens=DEFAULT_MAX_TOKENS_ESTIMATE)

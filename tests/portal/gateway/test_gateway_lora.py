@@ -61,3 +61,23 @@ def test_an_adapter_the_worker_rejects_is_a_400_without_internal_names(acme, liv
     error = info.value.body
     assert error["code"] == "adapter_load_failed" and error["param"] == "model"
     assert "acme/broken" in error["message"] and version.worker_name not in error["message"]
+
+
+def test_deployment_weights_choose_the_version_and_rollback_takes_effect_at_once(acme, worker, live, adapter_dir):
+    from portal.adapters.deployments import deployment_set_weights
+    from portal.adapters.models import Adapter, AdapterVersion
+
+    canary = Adapter.objects.create(tenant=acme.tenant, name="canary")
+    v1 = AdapterVersion.objects.create(adapter=canary, number=1, source_path=str(adapter_dir))
+    v2 = AdapterVersion.objects.create(adapter=canary, number=2, source_path=str(adapter_dir))
+    client = sdk(live, acme.key)
+
+    def served_version() -> int:
+        raw = client.chat.completions.with_raw_response.create(model="acme/canary", messages=MESSAGES,
+                                                               max_tokens=1, temperature=0)
+        return wait_for_row(raw.headers["x-request-id"]).adapter_version_id
+
+    deployment_set_weights(adapter=canary, weights={1: 0, 2: 100}, actor=None)
+    assert served_version() == v2.pk
+    deployment_set_weights(adapter=canary, weights={1: 100, 2: 0}, actor=None)  # rollback
+    assert served_version() == v1.pk
