@@ -1,11 +1,15 @@
 """Writes that span apps: the demo data the run command creates."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractUser
+from django.core.files import File
 from django.db import transaction
 
+from portal.adapters.models import Adapter, AdapterVersion
+from portal.adapters.services import adapter_create, adapter_version_upload
 from portal.keys.models import ApiKey
 from portal.keys.selectors import api_key_list
 from portal.keys.services import api_key_create
@@ -17,6 +21,15 @@ DEMO_ADMIN_USERNAME = "admin"
 DEMO_TENANT_SLUG = "demo"
 DEMO_TENANT_NAME = "Demo tenant"
 DEMO_KEY_NAME = "demo"
+# The demo adapters the repository ships (trained by demo/train_adapters.py), registered for
+# the demo tenant through the same upload -> validate -> stage path a tenant's uploads take.
+DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "demo" / "adapters"
+DEMO_ADAPTERS = {
+    "pirate": "Answers as a pirate would.",
+    "json": "Answers only with a JSON object.",
+    "french": "Answers in French.",
+}
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @dataclass(frozen=True)
@@ -41,7 +54,7 @@ def demo_bootstrap(*, admin_password: str, new_key: bool = False) -> DemoBootstr
     tenant = tenant_get_by_slug(slug=DEMO_TENANT_SLUG)
     tenant_created = tenant is None
     if tenant is None:
-        tenant = tenant_create(slug=DEMO_TENANT_SLUG, name=DEMO_TENANT_NAME)
+        tenant = tenant_create(slug=DEMO_TENANT_SLUG, name=DEMO_TENANT_NAME, plan=Tenant.Plan.TEAM)
 
     membership = membership_get(tenant=tenant, user=admin)
     if membership is None:
@@ -63,6 +76,31 @@ def demo_bootstrap(*, admin_password: str, new_key: bool = False) -> DemoBootstr
         api_key=api_key,
         plaintext_key=plaintext,
     )
+
+
+def demo_adapters_register(*, tenant: Tenant, actor: AbstractUser | None) -> list[AdapterVersion]:
+    """Upload each shipped demo adapter the tenant does not have yet (idempotent: an adapter
+    with any version is left alone). Returns the versions uploaded now; their validation runs
+    as a task after commit, staging follows it, and the gateway loads lazily on first use."""
+    uploaded = []
+    for name, description in DEMO_ADAPTERS.items():
+        directory = DEMO_ADAPTERS_DIR / name
+        if not all((directory / f).is_file() for f in PEFT_FILES):
+            continue  # a checkout without the trained files: nothing to register
+        adapter = Adapter.objects.filter(tenant=tenant, name=name).first()
+        if adapter is not None and adapter.versions.exists():
+            continue
+        if adapter is None:
+            adapter = adapter_create(tenant=tenant, name=name, description=description,
+                                     base_model="HuggingFaceTB/SmolLM2-135M-Instruct", actor=actor)  # fmt: skip
+        handles = [open(directory / f, "rb") for f in PEFT_FILES]  # noqa: SIM115 -- closed below
+        try:
+            files = [File(h, name=f) for h, f in zip(handles, PEFT_FILES, strict=True)]
+            uploaded.append(adapter_version_upload(adapter=adapter, files=files, actor=actor))
+        finally:
+            for h in handles:
+                h.close()
+    return uploaded
 
 
 def _demo_admin_ensure(*, password: str) -> tuple[AbstractUser, bool]:

@@ -4,13 +4,39 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 
+from portal.adapters.models import AdapterVersion
 from portal.config import WebConfig
+from portal.core.services import DEMO_ADAPTERS
 from portal.keys.models import ApiKey
 from portal.keys.selectors import api_key_authenticate
 from portal.tenants.models import Membership, Tenant
+from tests.portal.adapters.peft_files import TINY, write_peft
 
 pytestmark = pytest.mark.django_db
 KEY_LINE = re.compile(r"^API key \(shown once\): (sk-\S+)$", re.MULTILINE)
+
+
+@pytest.fixture(autouse=True)
+def demo_adapters(settings, tmp_path, monkeypatch):
+    """Storage in a temporary directory, small demo adapters for small base shapes, staging
+    recorded instead of sent to workers (these tests have none)."""
+    root = tmp_path / "storage"
+    root.mkdir()
+    settings.STORAGES = {**settings.STORAGES, "default": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(root)}}}
+    settings.MEDIA_ROOT = str(root)
+    shipped = tmp_path / "demo-adapters"
+    for seed, name in enumerate(DEMO_ADAPTERS):
+        write_peft(shipped / name, TINY, seed=seed)
+    monkeypatch.setattr("portal.core.services.DEMO_ADAPTERS_DIR", shipped)
+    monkeypatch.setattr("portal.adapters.selectors.base_shapes_current", lambda: TINY)
+    staged = []
+    monkeypatch.setattr("portal.adapters.staging.version_stage_enqueue", lambda *, version: staged.append(version))
+    from portal.celery import app
+
+    eager, app.conf.task_always_eager = app.conf.task_always_eager, True
+    yield staged
+    app.conf.task_always_eager = eager
 
 
 def bootstrap(*args: str) -> tuple[str, str]:
@@ -79,3 +105,18 @@ def test_production_refuses_the_default_password(settings, monkeypatch):
     with pytest.raises(CommandError, match="DEMO_ADMIN_PASSWORD"):
         bootstrap()
     assert not Tenant.objects.exists()
+
+
+def test_demo_adapters_go_through_upload_validation_and_staging_once(
+    demo_adapters, django_capture_on_commit_callbacks, monkeypatch
+):
+    monkeypatch.delenv("DEMO_ADMIN_PASSWORD", raising=False)
+    with django_capture_on_commit_callbacks(execute=True):
+        out, _ = bootstrap()
+    versions = AdapterVersion.objects.filter(adapter__tenant__slug="demo").select_related("adapter")
+    assert sorted(v.adapter.name for v in versions) == sorted(DEMO_ADAPTERS)
+    assert {v.status for v in versions} == {"ready"} and all(v.file_sha256 for v in versions)
+    assert sorted(v.adapter.name for v in demo_adapters) == sorted(DEMO_ADAPTERS)  # staged after validation
+    assert "Demo adapter demo/pirate@v1: uploaded, validating after commit." in out
+    bootstrap()  # a rerun uploads nothing more
+    assert AdapterVersion.objects.filter(adapter__tenant__slug="demo").count() == len(DEMO_ADAPTERS)

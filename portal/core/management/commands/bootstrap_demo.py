@@ -2,8 +2,9 @@ import os
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
 
-from portal.core.services import DEMO_ADMIN_USERNAME, demo_bootstrap
+from portal.core.services import DEMO_ADMIN_USERNAME, demo_adapters_register, demo_bootstrap
 
 DEFAULT_DEMO_PASSWORD = "admin"
 
@@ -55,3 +56,14 @@ class Command(BaseCommand):
             )
         else:
             self.stdout.write(self.style.SUCCESS(f"API key (shown once): {result.plaintext_key}"))
+
+        # Validation is a task enqueued on commit (in-process without REDIS_URL, else the
+        # Celery worker's); staging to the inference workers follows it.
+        with transaction.atomic():
+            uploaded = demo_adapters_register(tenant=result.tenant, actor=result.admin)
+            for version in uploaded:
+                self.stdout.write(f"Demo adapter {version.public_id}: uploaded, validating after commit.")
+        for version in uploaded:
+            version.refresh_from_db()
+            if version.status != version.Status.UPLOADED:  # validated in-process (no Celery worker)
+                self.stdout.write(f"Demo adapter {version.public_id}: {version.get_status_display().lower()}.")
