@@ -44,11 +44,17 @@ def tenant_member(view):
         tenant = tenant_get_by_slug(slug=slug)
         membership = membership_get(tenant=tenant, user=request.user) if tenant is not None else None
         if membership is None:
-            raise Http404("No such tenant.")
+            # The same page whether the tenant exists or not.
+            return render(request, "console/not_found.html",
+                          {"memberships": membership_list_for_user(user=request.user)}, status=404)
         request.tenant = tenant
         request.membership = membership
         try:
             return view(request, *args, **kwargs)
+        except Http404:
+            context = {"tenant": tenant, "membership": membership,
+                       "memberships": membership_list_for_user(user=request.user)}
+            return render(request, "console/not_found.html", context, status=404)
         except ReadOnlyRole as error:
             context = {"tenant": tenant, "membership": membership, "message": str(error),
                        "memberships": membership_list_for_user(user=request.user)}

@@ -18,8 +18,8 @@
       data: {
         labels: d.labels,
         datasets: [
-          { type: "bar", label: "Prompt tokens", data: d.prompt_tokens, backgroundColor: soft, stack: "t", yAxisID: "tokens" },
-          { type: "bar", label: "Completion tokens", data: d.completion_tokens, backgroundColor: accent, stack: "t", yAxisID: "tokens" },
+          { type: "bar", label: "Prompt tokens", data: d.prompt_tokens, backgroundColor: soft, stack: "t", yAxisID: "tokens", maxBarThickness: 28 },
+          { type: "bar", label: "Completion tokens", data: d.completion_tokens, backgroundColor: accent, stack: "t", yAxisID: "tokens", maxBarThickness: 28 },
           { type: "line", label: "Requests", data: d.requests, borderColor: "#2b8a3e", backgroundColor: "#2b8a3e", yAxisID: "requests" },
           { type: "line", label: "Errors", data: d.errors, borderColor: warn, backgroundColor: warn, yAxisID: "requests" }
         ]
@@ -39,7 +39,7 @@
   load("chart-models", function (d) {
     return {
       type: "bar",
-      data: { labels: d.labels, datasets: [{ label: "Tokens", data: d.total_tokens, backgroundColor: accent }] },
+      data: { labels: d.labels, datasets: [{ label: "Tokens", data: d.total_tokens, backgroundColor: accent, maxBarThickness: 32 }] },
       options: { animation: false, indexAxis: "y", responsive: true, maintainAspectRatio: false,
                  plugins: { legend: { display: false } }, scales: { x: { beginAtZero: true } } }
     };

@@ -9,10 +9,8 @@ tests/browser/artifacts/ (gitignored)."""
 from __future__ import annotations
 
 import shutil
-import sys
 import threading
 import time
-import types
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,6 @@ CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
-ADMIN_TOKEN = "browser-test-admin"
 PASSWORD = "browser-test-pass-1"
 
 
@@ -97,12 +94,14 @@ def portal_server(django_db_setup, django_db_blocker) -> LivePortal:
 @pytest.fixture
 def live(portal_server, worker, transactional_db, settings, monkeypatch, tmp_path) -> LivePortal:
     """The live portal routed to the session's worker; uploads validated in-process (eager Celery)
-    against the default model's shapes; staging to workers stubbed out (recorded)."""
+    against the default model's shapes."""
     from portal.celery import app
     from portal.gateway import services
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     settings.INFERENCE_URLS = [worker.url]
+    from tests.portal.gateway.conftest import ADMIN_TOKEN  # the worker's (start_worker)
+
     settings.INFERENCE_ADMIN_TOKEN = ADMIN_TOKEN
     settings.QUOTA_KEY_PREFIX = f"test:browser:{uuid.uuid4().hex}:"
     storage = tmp_path / "storage"
@@ -111,10 +110,11 @@ def live(portal_server, worker, transactional_db, settings, monkeypatch, tmp_pat
         "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(storage)}}}
     settings.MEDIA_ROOT = str(storage)
     services._base_cache.clear()
-    module = types.ModuleType("portal.adapters.staging")
-    module.version_stage_enqueue = lambda *, version: None
-    module.version_unstage = lambda *, version: None
-    monkeypatch.setitem(sys.modules, "portal.adapters.staging", module)
+    # Staging after validation is not awaited here (eager Celery would run it inside the upload
+    # request); the gateway loads the adapter lazily from the portal's download URL instead.
+    settings.PORTAL_INTERNAL_URL = portal_server.url
+    monkeypatch.setattr("portal.adapters.staging.version_stage_enqueue", lambda *, version, **kwargs: [])
+    monkeypatch.setattr("portal.adapters.staging.version_unstage", lambda *, version: {})
     previous = app.conf.task_always_eager
     app.conf.task_always_eager = True
     yield portal_server

@@ -88,15 +88,20 @@ def test_member_journey_key_upload_ready_usage(live, page, tmp_path):
         reply = api.post("/chat/completions", json={
             "model": base, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
         assert reply.status_code == 200, reply.text
+        tuned = api.post("/chat/completions", json={
+            "model": "acme/support-bot", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
+        assert tuned.status_code == 200, tuned.text
     page.goto(f"{live.url}/t/acme/usage/")
     page.wait_for_selector("#chart-daily[data-ready='1']")
     page.wait_for_selector("#chart-models[data-ready='1']")
-    assert base in page.inner_text("#usage-by-model")
+    assert base in page.inner_text("#usage-by-model") and "acme/support-bot" in page.inner_text("#usage-by-model")
     chart = page.evaluate("document.getElementById('chart-daily').chart.data.datasets[2].data.slice(-1)[0]")
-    assert chart == 1
+    assert chart == 2
+    labels = page.evaluate("document.getElementById('chart-models').chart.data.labels")
+    assert sorted(labels) == sorted([base, "acme/support-bot"])
     shot(page, "09-usage-with-chart")
     page.goto(f"{live.url}/t/acme/")
-    assert page.inner_text("#stat-requests") == "1"
+    assert page.inner_text("#stat-requests") == "2"
     shot(page, "10-overview")
     page.goto(f"{live.url}/t/acme/billing/")
     assert base in page.inner_text("#statement")

@@ -3,9 +3,6 @@ uploads validated eagerly against the tiny base (tests/portal/adapters/peft_file
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 from django.test import Client
 
@@ -36,10 +33,11 @@ def tiny_base(monkeypatch):
 def no_staging(monkeypatch):
     """No inference workers here: staging is recorded, not sent."""
     calls = {"stage": [], "unstage": []}
-    module = types.ModuleType("portal.adapters.staging")
-    module.version_stage_enqueue = lambda *, version: calls["stage"].append(version.uid)
-    module.version_unstage = lambda *, version: calls["unstage"].append(version.uid)
-    monkeypatch.setitem(sys.modules, "portal.adapters.staging", module)
+    monkeypatch.setattr("portal.adapters.staging.version_stage_enqueue",
+                        lambda *, version, **kwargs: calls["stage"].append(version.uid))
+    monkeypatch.setattr("portal.adapters.staging.version_unstage",
+                        lambda *, version: calls["unstage"].append(version.uid))
+    monkeypatch.setattr("portal.adapters.staging.stage_targets", lambda: [])
     return calls
 
 
