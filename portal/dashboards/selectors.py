@@ -139,7 +139,8 @@ def latency_series(*, start: date, end: date, tenant: str | None = None, model: 
     while day <= end:
         days.append({"date": day.isoformat(), **found.get(day, empty)})
         day += timedelta(days=1)
-    return {"start": start.isoformat(), "end": end.isoformat(), "tenant": tenant, "model": model, "days": days}
+    return {"start": start.isoformat(), "end": end.isoformat(), "tenant": tenant, "model": model,
+            "requests": sum(day["requests"] for day in days), "days": days}
 
 
 def latency_filters(*, start: date, end: date) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 from channels.db import database_sync_to_async
@@ -32,6 +33,8 @@ from portal.tenants.selectors import membership_get, tenant_get_by_slug
 CHAT_FIELDS = ("model", "messages", "max_tokens", "temperature")
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_NOT_FOUND = 4404
+
+log = logging.getLogger(__name__)
 
 
 @database_sync_to_async
@@ -115,6 +118,10 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
                 tenant=self.membership.tenant, body=body, request_id=request_id)
         except GatewayError as exc:
             await self._error(exc.status, exc.code, exc.message)
+            return
+        except Exception:  # the ledger row is written (status 500); the page must not hang
+            log.exception("playground request %s failed", request_id)
+            await self._error(500, "internal_error", "The playground failed to run the request; try again.")
             return
         try:
             await self.send_json({"type": "start", "request_id": request_id, "model": completion.model})

@@ -122,7 +122,7 @@ async def playground_completion_stream(*, tenant: Tenant, body: dict, request_id
         if not tenant.is_active:
             raise tenant_suspended(tenant.slug)
         validation.validate(CHAT, body)
-        target = await gateway.model_resolve(api_key=principal, model=body["model"])
+        target = await gateway.model_resolve(api_key=principal, model=body["model"], request_id=request_id)
         ledger.model = target.public_id
         ledger.version = target.version
         estimated = validation.estimate_tokens(CHAT, body, default_max_tokens=gateway.DEFAULT_MAX_TOKENS_ESTIMATE)

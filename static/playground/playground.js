@@ -84,12 +84,14 @@
         current.tokens = msg.completion_tokens || current.tokens;
       } else if (msg.type === "done") {
         showStats(msg.ttft_ms, msg.tokens_per_second);
+        status.textContent = msg.finish_reason === "length" ? "done (max tokens reached)" : "done";
         finish();
       } else if (msg.type === "cancelled") {
         status.textContent = "stopped";
         finish();
       } else if (msg.type === "error") {
         addMessage("error", msg.message || "error");
+        status.textContent = "error";
         if (current && !current.text) history.pop();  // the turn that failed
         finish();
       }

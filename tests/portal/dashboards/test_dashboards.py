@@ -121,6 +121,7 @@ def test_latency_json_per_day_tenant_and_model(client, staff, seeded):
     empty, yesterday, today = data["days"]
     assert empty == {"date": empty["date"], "requests": 0, "ttft_ms": {"p50": None, "p95": None, "p99": None},
                      "latency_ms": {"p50": None, "p95": None, "p99": None}}
+    assert data["requests"] == 4
     assert yesterday["requests"] == 1 and yesterday["latency_ms"]["p50"] == 400
     # completed only: errors, 429s and the disconnect are left out
     assert today["requests"] == 3 and today["ttft_ms"]["p50"] == 30 and today["latency_ms"]["p50"] == 200
@@ -160,3 +161,4 @@ def test_empty_states(client, staff, db):
     assert "No inference worker is registered yet" in client.get("/dashboards/").content.decode()
     assert "No requests from" in client.get("/dashboards/tenants/").content.decode()
     assert "Nothing billed" in client.get("/dashboards/billing/").content.decode()
+    assert "No completed requests in this period" in client.get("/dashboards/latency/").content.decode()
