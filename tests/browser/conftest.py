@@ -8,6 +8,7 @@ tests/browser/artifacts/ (gitignored)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path(os.environ.get("BROWSER_CHROMIUM", "/usr/bin/chromium"))  # Debian's package
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
