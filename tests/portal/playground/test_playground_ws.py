@@ -219,3 +219,40 @@ def acme_tenant():
     from portal.tenants.models import Tenant
 
     return Tenant.objects.get(slug="acme")
+
+
+@pytest.fixture
+def bot_version(live_worker, acme_member, tmp_path):
+    """A ready version of acme/bot (PEFT files for the worker's shapes), not loaded anywhere yet."""
+    from portal.adapters.validation import BaseShapes
+    from portal.fleet.models import InferenceWorker
+    from portal.fleet.services import worker_poll
+    from tests.portal.adapters.peft_files import peft_config, write_peft
+
+    row = worker_poll(worker=InferenceWorker.objects.create(url=live_worker.url, name="tiny"))
+    assert row.healthy, row.last_error
+    shapes = BaseShapes.from_config(row.base_config)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    directory = write_peft(tmp_path / "bot", shapes, rank=8, targets=tuple(targets), seed=3,
+                           config=peft_config(r=8, lora_alpha=16, target_modules=targets,
+                                              base_model_name_or_path=shapes.name))
+    bot = Adapter.objects.create(tenant=acme_tenant(), name="bot")
+    return AdapterVersion.objects.create(adapter=bot, number=1, source_path=str(directory))
+
+
+async def test_chat_with_an_adapter_loads_it_lazily_and_bills_the_version(live_worker, cookie, bot_version):
+    comm = communicator("acme", cookie)
+    assert (await comm.connect())[0]
+    await comm.receive_json_from()
+    answers = {}
+    for model in (BASE, "acme/bot"):
+        await comm.send_json_to({"type": "chat", "model": model, "messages": HELLO, "max_tokens": 6,
+                                 "temperature": 0})
+        messages = await receive_until(comm, "done", timeout=60)
+        assert messages[0] == {"type": "start", "request_id": messages[0]["request_id"], "model": model}
+        answers[model] = "".join(m["text"] for m in messages if m["type"] == "delta")
+    await comm.disconnect()
+    assert answers["acme/bot"] and answers["acme/bot"] != answers[BASE]
+    row = await database_sync_to_async(wait_until)(
+        lambda: UsageRecord.objects.filter(model="acme/bot").first())
+    assert row.adapter_version_id == bot_version.pk and row.api_key_id is None and row.status_code == 200
