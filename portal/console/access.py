@@ -27,6 +27,8 @@ class ReadOnlyRole(PermissionDenied):
 
 
 def require_write(request: HttpRequest) -> None:
+    if not request.tenant.is_active:
+        raise ReadOnlyRole(f"The tenant {request.tenant.slug} is suspended: nothing can be changed until it is reactivated.")
     if not can_write(request.membership):
         raise ReadOnlyRole(
             f"Your role in {request.tenant.slug} is {request.membership.role}, which is read-only; "

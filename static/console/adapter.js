@@ -39,11 +39,11 @@
           window.location.reload();
           return;
         }
+        percent.textContent = "sent · refused";
         var message = "Upload failed (HTTP " + xhr.status + ").";
         try {
           var body = JSON.parse(xhr.responseText);
           if (body.detail) message = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail);
-          if (body.errors) message = JSON.stringify(body.errors);
         } catch (ignored) { /* not JSON */ }
         showError(message);
       });

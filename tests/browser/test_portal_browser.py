@@ -81,6 +81,16 @@ def test_member_journey_key_upload_ready_usage(live, page, tmp_path):
     assert re.search(r"rank", reasons), reasons
     shot(page, "08-adapter-rejected-reason")
 
+    # Refused at once by the API (not a PEFT pair): the reason shows under the form, as text.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("<b>not an adapter</b>")
+    page.set_input_files("#id_files", [str(notes)])
+    page.click("#upload-form button[type=submit]")
+    page.wait_for_selector("#upload-error:not([hidden])")
+    assert page.inner_text("#upload-error").strip()
+    assert page.locator("#upload-error b").count() == 0
+    shot(page, "08b-upload-refused")
+
     # A request through the gateway with the new key, on the real worker, then the usage page.
     with httpx.Client(base_url=f"{live.url}/v1", headers={"Authorization": f"Bearer {secret}"}, timeout=120) as api:
         models = api.get("/models").json()["data"]

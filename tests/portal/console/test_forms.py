@@ -209,3 +209,11 @@ def test_usage_chart_json_shapes(mia, tenant):
     assert page.context["latency"]["requests"] == 2
     assert b"records.csv" in page.content and b"statement/" in page.content
     assert b"vendor/chartjs/chart.umd.min.js" in page.content
+
+
+def test_suspended_tenant_is_read_only(mia, tenant):
+    Tenant.objects.filter(pk=tenant.pk).update(status="suspended")
+    assert b"suspended" in mia.get(reverse("console:overview", args=[tenant.slug])).content
+    refused = mia.post(reverse("console:keys", args=[tenant.slug]), {"name": "k"})
+    assert refused.status_code == 403 and b"suspended" in refused.content
+    assert not ApiKey.objects.exists()
