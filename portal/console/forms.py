@@ -32,7 +32,7 @@ class ApiKeyCreateForm(forms.Form):
 
 
 class AdapterCreateForm(forms.Form):
-    name = forms.CharField(max_length=64, help_text="Letters, digits, dots, dashes, underscores.")
+    name = forms.CharField(max_length=64, help_text="Lowercase letters, digits, dots, dashes or underscores; the model id becomes <tenant>/<name>.")
     description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
 
 

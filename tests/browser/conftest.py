@@ -71,6 +71,7 @@ def portal_server(django_db_setup, django_db_blocker) -> LivePortal:
     import uvicorn
     from django.conf import settings
 
+    previous = settings.WHITENOISE_USE_FINDERS, getattr(settings, "WHITENOISE_AUTOREFRESH", False)
     settings.WHITENOISE_USE_FINDERS = True  # static files straight from static/ (no collectstatic)
     settings.WHITENOISE_AUTOREFRESH = True
     from portal.asgi import application
@@ -90,6 +91,7 @@ def portal_server(django_db_setup, django_db_blocker) -> LivePortal:
         yield LivePortal(f"http://127.0.0.1:{port}")
         server.should_exit = True
         thread.join(15)
+    settings.WHITENOISE_USE_FINDERS, settings.WHITENOISE_AUTOREFRESH = previous
 
 
 @pytest.fixture
