@@ -37,6 +37,7 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	@bash deploy/local/ensure-services.sh "$${DATABASE_URL:-$(TEST_DATABASE_URL)}" "$${REDIS_URL:-$(TEST_REDIS_URL)}"
+	@bash deploy/local/ensure-browser.sh $(VENV)
 	$(PY) -m inference.models fetch
 	$(VENV)/bin/ruff check .
 	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \

@@ -155,8 +155,8 @@ SPECTACULAR_SETTINGS = {
     "SCHEMA_PATH_PREFIX": r"/api/v1",
 }
 
-# Until the tenant portal has its own sign-in page, the admin's serves every login redirect.
-LOGIN_URL = "/admin/login/"
+LOGIN_URL = "console:login"
+LOGIN_REDIRECT_URL = "console:tenants"
 
 INFERENCE_URLS = list(CONFIG.inference_urls)
 INFERENCE_ADMIN_TOKEN = CONFIG.inference_admin_token

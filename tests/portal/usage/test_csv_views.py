@@ -8,6 +8,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections
+from django.shortcuts import resolve_url
 
 from portal.tenants.services import membership_create, tenant_create
 from portal.usage.billing import STATEMENT_CSV_HEADER
@@ -89,7 +90,7 @@ def test_anonymous_is_sent_to_log_in(client, tenant):
     for path in (STATEMENT, RECORDS):
         response = client.get(path)
         assert response.status_code == 302
-        assert response["Location"].startswith(settings.LOGIN_URL)
+        assert response["Location"].startswith(resolve_url(settings.LOGIN_URL) + "?next=")
         assert "next=" in response["Location"]
 
 
