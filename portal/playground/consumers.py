@@ -81,6 +81,12 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         if self.task is not None and not self.task.done():
             await self._error(409, "busy", "a generation is already running; stop it first")
             return
+        # Membership, role and the tenant's status as of now, not as of the connection.
+        self.membership = await _membership(self.scope["user"], self.membership.tenant.slug)
+        if self.membership is None:
+            await self._error(404, "not_found", "you are no longer a member of this tenant")
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
         if self.membership.role == Membership.Role.VIEWER:
             await self._error(403, "read_only", "viewers cannot run generations in this tenant")
             return

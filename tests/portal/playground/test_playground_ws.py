@@ -256,3 +256,14 @@ async def test_chat_with_an_adapter_loads_it_lazily_and_bills_the_version(live_w
     row = await database_sync_to_async(wait_until)(
         lambda: UsageRecord.objects.filter(model="acme/bot").first())
     assert row.adapter_version_id == bot_version.pk and row.api_key_id is None and row.status_code == 200
+
+
+async def test_membership_is_checked_again_for_every_chat(live_worker, cookie, acme_member):
+    comm = communicator("acme", cookie)
+    assert (await comm.connect())[0]
+    await comm.receive_json_from()
+    await database_sync_to_async(lambda: Membership.objects.filter(user=acme_member).delete())()
+    await comm.send_json_to({"type": "chat", "model": BASE, "messages": HELLO, "max_tokens": 1})
+    assert (await comm.receive_json_from())["code"] == "not_found"
+    assert (await comm.receive_output())["type"] == "websocket.close"
+    assert await database_sync_to_async(UsageRecord.objects.count)() == 0
