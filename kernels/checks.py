@@ -54,19 +54,26 @@ def check_add_lora_args(
 ) -> list[int]:
     """Shrink's and expand's checks, with the intermediate y implied. Returns the offsets."""
     _check_meta(meta)
-    num_slices, max_rank = _check_x_and_a(x, a_stacked, meta)
-    b_slices, b_rank, offsets = _check_b_and_out(b_stacked, meta, out, slice_offsets)
+    # On the CPU, fp32 activations may meet weights in the model dtype (the bf16 base linear
+    # computes in fp32 there, and the LoRA delta joins it before the one rounding).
+    upcast = meta.device.type == "cpu" and isinstance(x, torch.Tensor) and x.dtype == torch.float32
+    num_slices, max_rank = _check_x_and_a(x, a_stacked, meta, fp32_activations=upcast)
+    b_slices, b_rank, offsets = _check_b_and_out(b_stacked, meta, out, slice_offsets, fp32_activations=upcast)
     if b_slices != num_slices:
         raise ValueError(f"b_stacked has {b_slices} slices but a_stacked has {num_slices}")
     if b_rank != max_rank:
         raise ValueError(f"b_stacked max_rank {b_rank} differs from a_stacked max_rank {max_rank}")
     if out.dtype != x.dtype:
         raise ValueError(f"out dtype {out.dtype} differs from x dtype {x.dtype}")
+    if a_stacked[0].dtype != b_stacked[0].dtype:
+        raise ValueError(
+            f"b_stacked[0] dtype {b_stacked[0].dtype} differs from a_stacked[0] dtype {a_stacked[0].dtype}"
+        )
     return offsets
 
 
 def _check_x_and_a(
-    x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoRABatchMetadata
+    x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoRABatchMetadata, fp32_activations: bool = False
 ) -> tuple[int, int]:
     _check_tensor("x", x, dims=2, device=meta.device, strided_rows=True)
     _check_dtype("x", x, ACTIVATION_DTYPES)
@@ -75,7 +82,7 @@ def _check_x_and_a(
     a_list = _check_slices("a_stacked", a_stacked)
     for s, a in enumerate(a_list):
         _check_tensor(f"a_stacked[{s}]", a, dims=3, device=meta.device)
-        if a.dtype != x.dtype:
+        if a.dtype != x.dtype and not (fp32_activations and a.dtype in ACTIVATION_DTYPES):
             raise ValueError(f"a_stacked[{s}] dtype {a.dtype} differs from x dtype {x.dtype}")
         if a.shape != a_list[0].shape:
             raise ValueError(
@@ -94,6 +101,7 @@ def _check_b_and_out(
     meta: LoRABatchMetadata,
     out: torch.Tensor,
     slice_offsets: Sequence[int] | None,
+    fp32_activations: bool = False,
 ) -> tuple[int, int, list[int]]:
     _check_tensor("out", out, dims=2, device=meta.device, strided_rows=True)
     _check_dtype("out", out, ACTIVATION_DTYPES)
@@ -102,7 +110,7 @@ def _check_b_and_out(
     b_list = _check_slices("b_stacked", b_stacked)
     for s, b in enumerate(b_list):
         _check_tensor(f"b_stacked[{s}]", b, dims=3, device=meta.device)
-        if b.dtype != out.dtype:
+        if b.dtype != out.dtype and not (fp32_activations and b.dtype in ACTIVATION_DTYPES):
             raise ValueError(f"b_stacked[{s}] dtype {b.dtype} differs from out dtype {out.dtype}")
     max_loras, _, max_rank = b_list[0].shape
     for s, b in enumerate(b_list):

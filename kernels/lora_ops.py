@@ -50,7 +50,9 @@ def add_lora(
     """out[t, off_s : off_s + n_s] += x[t] @ A_s[slot, :r].T @ B_s[slot, :, :r].T for every token
     t with an adapter (slot = meta.token_slots[t], r its rank), every slice s; rows with slot -1
     are left bit for bit. Shapes: out [T, out_features], x [T, in], a_stacked[s] [max_loras,
-    max_rank, in], b_stacked[s] [max_loras, n_s, max_rank], all in one dtype (fp32/bf16/fp16).
+    max_rank, in], b_stacked[s] [max_loras, n_s, max_rank], all in one dtype (fp32/bf16/fp16);
+    on the CPU, x and out may be fp32 with bf16/fp16 weights (a bf16 model's base linear runs in
+    fp32 there: the delta joins its fp32 result before the one rounding to bf16).
     The shrunk activations stay float32 between the two products."""
     offsets = check_add_lora_args(out, x, a_stacked, b_stacked, meta, slice_offsets)
     if not meta.has_lora:

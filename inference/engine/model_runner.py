@@ -57,8 +57,13 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         block_tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        for s in scheduled:
+        last_row: dict[int, int] = {}  # index into `scheduled` -> row of its last token
+        # Tokens are laid out grouped by adapter slot (stable: base-only first, then slot 0, 1,
+        # ...), so each adapter's tokens form one contiguous run the LoRA layers multiply in
+        # place; the sampled rows still come back in `scheduled` order.
+        layout = sorted(range(len(scheduled)), key=lambda i: scheduled[i].seq.lora_slot)
+        for i in layout:
+            s = scheduled[i]
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids += seq.token_ids_slice(start, end)
@@ -67,8 +72,8 @@ class ModelRunner:
             seq_lens.append(end)
             query_lens.append(s.num_new_tokens)
             block_tables.append(seq.block_table)
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            last_row[i] = len(input_ids) - 1
+        sample_rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -67,6 +67,11 @@ class LoRAProjection:
         self._live: list[set[int]] = [set() for _ in modules]
         self._active: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
 
+    @property
+    def active(self) -> bool:
+        """Some token of this step has an adapter and some resident adapter adapts this projection."""
+        return self.batch.meta is not None and self._active is not None
+
     def apply(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """out [T, out_features] += per-token LoRA delta of x [T, in_features]."""
         meta, active = self.batch.meta, self._active

@@ -49,27 +49,30 @@ UPCAST_SLAB_ROWS = 512
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except multi-row bf16 products on CPUs without bf16 matmul units (see above)."""
-    if (
+    if upcasts_to_fp32(x):
+        return linear_fp32(x.float(), weight, bias).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def upcasts_to_fp32(x: torch.Tensor) -> bool:
+    """Whether `linear` computes this bf16 input in fp32 slabs (and rounds once at the end)."""
+    return (
         x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and not CPU_HAS_BF16_MATMUL
         and x.shape[0] >= BF16_UPCAST_MIN_ROWS
-    ):
-        return _linear_fp32_slabs(x, weight, bias)
-    return F.linear(x, weight, bias)
+    )
 
 
-def _linear_fp32_slabs(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    x32 = x.float()  # [T, in]
-    out = x32.new_empty(x.shape[0], weight.shape[0])  # [T, out] fp32
+def linear_fp32(x32: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x32 [T, in] fp32 @ weight (any dtype, upcast a slab at a time).T -> [T, out] fp32, unrounded."""
+    out = x32.new_empty(x32.shape[0], weight.shape[0])  # [T, out] fp32
     for i in range(0, weight.shape[0], UPCAST_SLAB_ROWS):
         slab = weight[i : i + UPCAST_SLAB_ROWS].float()  # [rows, in]
         torch.matmul(x32, slab.t(), out=out[:, i : i + UPCAST_SLAB_ROWS])
     if bias is not None:
         out += bias
-    return out.to(x.dtype)
+    return out
 
 
 class Linear(nn.Module):
@@ -96,9 +99,17 @@ class Linear(nn.Module):
         self.lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        if lora is not None and upcasts_to_fp32(x):
+            # bf16 on this CPU computes in fp32 anyway: add the adapters' delta to the fp32
+            # product, in place, and round once (no second upcast of x, no [T, out] temporary).
+            x32 = x.float()
+            out32 = linear_fp32(x32, self.weight, self.bias)
+            lora.apply(out32, x32)
+            return out32.to(x.dtype)
         out = linear(x, self.weight, self.bias)
-        if self.lora is not None:
-            self.lora.apply(out, x)
+        if lora is not None:
+            lora.apply(out, x)
         return out
 
     def extra_repr(self) -> str:

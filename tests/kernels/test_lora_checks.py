@@ -44,7 +44,8 @@ SHRINK_CASES = {
     "x not a tensor": ("x", lambda v: v["x"].tolist(), "x must be a torch.Tensor"),
     "x non-contiguous": ("x", lambda v: v["x"].t().contiguous().t(), "x rows must be contiguous"),
     "x rows": ("x", lambda v: v["x"][:2], "x has 2 rows but meta has 3 tokens"),
-    "a dtype": ("a", lambda v: [t.half() for t in v["a"]], r"a_stacked\[0\] dtype .* differs"),
+    "a dtype": ("a", lambda v: [t.half() for t in v["a"]], r"a_stacked\[0\] dtype torch.float16"),
+    "x bf16, weights fp32": ("x", lambda v: v["x"].bfloat16(), r"a_stacked\[0\] dtype .* differs from x dtype"),
     "a in_features": ("a", lambda v: [t[..., :10].contiguous() for t in v["a"]],
                       "a_stacked.0. has 10 input features, x has 24"),
     "a shapes differ": ("a", lambda v: [v["a"][0], v["a"][1][:, :8].contiguous()],
@@ -158,3 +159,17 @@ def test_expand_block_sizes(kwargs, message):
     args = valid()
     with pytest.raises(ValueError, match=message):
         triton_lora.lora_expand(args["y"], args["b"], args["meta"], args["out"], **kwargs)
+
+
+def test_add_lora_on_the_cpu_takes_fp32_activations_with_bf16_weights():
+    """A bf16 model's base linear runs in fp32 on the CPU; its LoRA delta joins that fp32 result
+    with the slot weights left in bf16: the same sums as with the weights upcast beforehand."""
+    mixed = valid()
+    mixed["a"] = [t.bfloat16() for t in mixed["a"]]
+    mixed["b"] = [t.bfloat16() for t in mixed["b"]]
+    upcast = dict(mixed, a=[t.float() for t in mixed["a"]], b=[t.float() for t in mixed["b"]],
+                  out=mixed["out"].clone())  # fmt: skip
+    call_add_lora(mixed, None)
+    call_add_lora(upcast, None)
+    assert torch.equal(mixed["out"], upcast["out"]) and mixed["out"].abs().sum() > 0
+    assert torch.equal(mixed["out"][1], torch.zeros(sum(WIDTHS)))  # slot -1 untouched
