@@ -4,7 +4,11 @@
     completion_stream           validate → resolve model → admit quotas → route to a worker (lazy
                                 adapter load, next worker on failure before the first byte) →
                                 Completion: the JSON answer, or the chunks to relay
-    models_list                 what /v1/models shows a key
+    models_list                 what /v1/models shows a caller
+
+A Caller is a tenant and, on /v1, the API key it came with; the playground's callers are a
+session's tenant with no key (every model of the tenant, the tenant's quotas alone, ledger rows
+with api_key None). Both go through this one pipeline.
 
 The ledger is written exactly once per authenticated request (usage_record_create, and
 quota_settle with the actual tokens) from a `finally`, in a task of its own that a client
@@ -52,6 +56,7 @@ from portal.keys.models import ApiKey
 from portal.keys.selectors import api_key_authenticate
 from portal.keys.services import api_key_record_use
 from portal.quotas.services import QuotaExceeded, quota_admit, quota_settle
+from portal.tenants.models import Tenant
 from portal.tenants.plans import plan_for
 from portal.usage.services import usage_record_create
 
@@ -62,8 +67,6 @@ COMPLETIONS = validation.COMPLETIONS
 WORKER_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 # The output bound assumed for the quota estimate when the request sets none.
 DEFAULT_MAX_TOKENS_ESTIMATE = 256
-# Fair-scheduling weight on the workers by plan (a tenant's share when the worker is contended).
-PLAN_WEIGHTS = {"free": 1.0, "team": 2.0, "enterprise": 4.0}
 # Worker calls: connecting is quick on a healthy network; a long generation may go quiet between
 # bytes only while queued, so reads get a generous bound.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=3.0, read=600.0, write=30.0, pool=30.0)
@@ -150,32 +153,44 @@ async def base_model() -> str | None:
     return None
 
 
-def model_allowed(api_key: ApiKey, public_id: str) -> bool:
-    """The key's allow-list: None allows everything; `tenant/name` allows all its versions."""
-    allowed = api_key.allowed_models
+@dataclass(frozen=True)
+class Caller:
+    """Who a request is for: a tenant, through one of its API keys or (no key) its session."""
+
+    tenant: Tenant
+    api_key: ApiKey | None = None
+
+    @classmethod
+    def of_key(cls, api_key: ApiKey) -> Caller:
+        return cls(api_key.tenant, api_key)
+
+
+def model_allowed(caller: Caller, public_id: str) -> bool:
+    """The key's allow-list: no key or None allows everything; `tenant/name` allows all its versions."""
+    allowed = caller.api_key.allowed_models if caller.api_key is not None else None
     if allowed is None:
         return True
     return public_id in allowed or public_id.split("@", 1)[0] in allowed
 
 
-async def model_resolve(*, api_key: ApiKey, model: str, request_id: str = "") -> ModelTarget:
+async def model_resolve(*, caller: Caller, model: str, request_id: str = "") -> ModelTarget:
     """The base model or one of the key's tenant's ready adapter versions; 404 otherwise (the
     same answer for another tenant's adapter as for a missing one). `tenant/name` goes through
     the adapter's deployment (traffic split over versions, picked deterministically from the
     request id); `tenant/name@vN` pins a version."""
     if "/" in model:
-        resolved = await sync_to_async(deployment_resolve)(tenant=api_key.tenant, model=model, request_id=request_id)
-        if resolved is None or not model_allowed(api_key, resolved.public_id):
+        resolved = await sync_to_async(deployment_resolve)(tenant=caller.tenant, model=model, request_id=request_id)
+        if resolved is None or not model_allowed(caller, resolved.public_id):
             raise model_not_found(model)
         return ModelTarget(resolved.public_id, resolved.version.worker_name, resolved.version)
     base = await base_model()
-    if base is not None and model == base and model_allowed(api_key, model):
+    if base is not None and model == base and model_allowed(caller, model):
         return ModelTarget(model, model, None)
     raise model_not_found(model)
 
 
-def _models_list(api_key: ApiKey, base: str | None) -> list[dict]:
-    tenant = api_key.tenant
+def _models_list(caller: Caller, base: str | None) -> list[dict]:
+    tenant = caller.tenant
     entries: list[dict] = []
     if base is not None:
         entries.append({"id": base, "object": "model", "created": 0, "owned_by": "system"})
@@ -188,12 +203,12 @@ def _models_list(api_key: ApiKey, base: str | None) -> list[dict]:
                 entries.append({"id": f"{adapter.public_id}@v{version.number}", "object": "model",
                                 "created": int(version.created_at.timestamp()), "owned_by": tenant.slug,
                                 "parent": base})
-    return [entry for entry in entries if model_allowed(api_key, entry["id"])]
+    return [entry for entry in entries if model_allowed(caller, entry["id"])]
 
 
-async def models_list(*, api_key: ApiKey) -> list[dict]:
-    """/v1/models for this key: the base, then each servable adapter and its ready versions."""
-    return await sync_to_async(_models_list)(api_key, await base_model())
+async def models_list(*, caller: Caller) -> list[dict]:
+    """/v1/models for this caller: the base, then each servable adapter and its ready versions."""
+    return await sync_to_async(_models_list)(caller, await base_model())
 
 
 # -- the ledger -----------------------------------------------------------------------------
@@ -213,7 +228,7 @@ class Ledger:
     """What one request did, written once: the usage row and the quota settlement."""
 
     request_id: str
-    api_key: ApiKey
+    caller: Caller
     model: str
     stream: bool
     estimated_prompt_tokens: int = 0
@@ -263,8 +278,8 @@ class Ledger:
         now = time.monotonic()
         fields = dict(
             request_id=self.request_id,
-            tenant=self.api_key.tenant,
-            api_key=self.api_key,
+            tenant=self.caller.tenant,
+            api_key=self.caller.api_key,
             model=self.model[:200],
             adapter_version=self.version,
             worker_url=self.worker_url,
@@ -507,14 +522,9 @@ class Completion:
             await ledger.close()
 
 
-def _tenant_weight(api_key: ApiKey) -> float:
-    plan = plan_for(api_key.tenant.plan)
-    return float(getattr(plan, "scheduling_weight", None) or PLAN_WEIGHTS.get(api_key.tenant.plan, 1.0))
-
-
-async def _admit(api_key: ApiKey, request_id: str, estimated: int):
+async def _admit(caller: Caller, request_id: str, estimated: int):
     try:
-        return await quota_admit(tenant=api_key.tenant, api_key=api_key, request_id=request_id,
+        return await quota_admit(tenant=caller.tenant, api_key=caller.api_key, request_id=request_id,
                                  estimated_tokens=estimated)
     except QuotaExceeded as exc:
         headers = dict(getattr(exc, "headers", None) or {})
@@ -526,34 +536,36 @@ async def _admit(api_key: ApiKey, request_id: str, estimated: int):
         raise GatewayError(429, exc.message, type=kind, code="rate_limit_exceeded", headers=headers) from None
 
 
-async def completion_rejected(*, api_key: ApiKey, request_id: str, error: GatewayError) -> None:
+async def completion_rejected(*, caller: Caller, request_id: str, error: GatewayError) -> None:
     """Write the ledger row of an authenticated request refused before the pipeline (a body
     that is not JSON, too large...)."""
-    ledger = Ledger(request_id=request_id, api_key=api_key, model="", stream=False,
+    ledger = Ledger(request_id=request_id, caller=caller, model="", stream=False,
                     status_code=error.status, error=error.message)
     await ledger.close()
 
 
-async def completion_stream(*, api_key: ApiKey, endpoint: str, body: dict, request_id: str) -> Completion:
+async def completion_stream(*, caller: Caller, endpoint: str, body: dict, request_id: str) -> Completion:
     """Run the pipeline up to the worker's answer. Raises GatewayError (OpenAI shape) for
     anything that stops the request before its first byte; every such request past
     authentication is still written to the ledger once."""
     model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else ""
-    ledger = Ledger(request_id=request_id, api_key=api_key, model=model,
+    ledger = Ledger(request_id=request_id, caller=caller, model=model,
                     stream=isinstance(body, dict) and body.get("stream") is True)
     streaming = False
     try:
+        if not caller.tenant.is_active:  # a key's tenant was checked at authentication; a session's here
+            raise tenant_suspended(caller.tenant.slug)
         validation.validate(endpoint, body)
-        target = await model_resolve(api_key=api_key, model=body["model"], request_id=request_id)
+        target = await model_resolve(caller=caller, model=body["model"], request_id=request_id)
         ledger.model = target.public_id
         ledger.version = target.version
         estimated = validation.estimate_tokens(endpoint, body, default_max_tokens=DEFAULT_MAX_TOKENS_ESTIMATE)
         ledger.estimated_prompt_tokens = validation.estimate_prompt_tokens(endpoint, body)
-        ledger.admission = await _admit(api_key, request_id, estimated)
+        ledger.admission = await _admit(caller, request_id, estimated)
         headers = dict(getattr(ledger.admission, "headers", None) or {})
 
-        payload = dict(body, model=target.worker_model, tenant=api_key.tenant.slug,
-                       tenant_weight=_tenant_weight(api_key))
+        payload = dict(body, model=target.worker_model, tenant=caller.tenant.slug,
+                       tenant_weight=plan_for(caller.tenant.plan).scheduling_weight)
         include_usage = validation.wants_usage_chunk(body)
         if ledger.stream:
             payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}

@@ -69,13 +69,14 @@ async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
         return _method_not_allowed(request, "POST", request_id)
     try:
         api_key = await services.api_key_from_authorization(request.headers.get("authorization"))
+        caller = services.Caller.of_key(api_key)
         try:
             body = _body(request)
         except GatewayError as exc:
-            await services.completion_rejected(api_key=api_key, request_id=request_id, error=exc)
+            await services.completion_rejected(caller=caller, request_id=request_id, error=exc)
             raise
         completion = await services.completion_stream(
-            api_key=api_key, endpoint=endpoint, body=body, request_id=request_id)
+            caller=caller, endpoint=endpoint, body=body, request_id=request_id)
     except GatewayError as exc:
         return error_response(request, exc, request_id)
     if not completion.stream:
@@ -101,7 +102,7 @@ async def models(request: HttpRequest) -> HttpResponse:
         return _method_not_allowed(request, "GET", request_id)
     try:
         api_key = await services.api_key_from_authorization(request.headers.get("authorization"))
-        data = await services.models_list(api_key=api_key)
+        data = await services.models_list(caller=services.Caller.of_key(api_key))
     except GatewayError as exc:
         return error_response(request, exc, request_id)
     return _with_ids(JsonResponse({"object": "list", "data": data}), request, request_id)

@@ -1,7 +1,7 @@
 """What each plan gives a tenant: default quotas and token prices.
 
-One table, read by quotas (limits when a tenant or key has no explicit Quota row) and by
-billing (prices per million tokens). None means unlimited.
+One table, read by quotas (limits when a tenant or key has no explicit Quota row), by
+billing (prices per million tokens) and by the gateway (the tenant's scheduling weight). None means unlimited.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ class Plan:
     prompt_price_per_million: Decimal  # USD per 1M prompt tokens
     completion_price_per_million: Decimal  # USD per 1M completion tokens
     always_warm_adapters: int  # adapters the tenant may pin on the workers
+    scheduling_weight: float  # the tenant's share in the workers' fair scheduling (tenant_weight)
 
 
 PLANS: dict[str, Plan] = {
-    "free": Plan(60, 40_000, 4, 2_000_000, Decimal("0.10"), Decimal("0.30"), 0),
-    "team": Plan(600, 400_000, 32, 200_000_000, Decimal("0.08"), Decimal("0.24"), 2),
-    "enterprise": Plan(None, None, 256, None, Decimal("0.05"), Decimal("0.15"), 16),
+    "free": Plan(60, 40_000, 4, 2_000_000, Decimal("0.10"), Decimal("0.30"), 0, 1.0),
+    "team": Plan(600, 400_000, 32, 200_000_000, Decimal("0.08"), Decimal("0.24"), 2, 2.0),
+    "enterprise": Plan(None, None, 256, None, Decimal("0.05"), Decimal("0.15"), 16, 4.0),
 }
 
 
