@@ -39,6 +39,7 @@ from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig
 from inference.engine.sequence import FinishReason, Sequence
 from inference.engine.stop_checker import StopChecker
+from inference.lora.cache import CacheStats
 from inference.lora.manager import AdapterInfo, LoRAManager
 from inference.lora.request import LoRARequest
 from inference.models.loader import load_model
@@ -372,10 +373,7 @@ class LLMEngine:
         return self.lora is not None and self.lora.has(name)
 
     def lora_stats(self) -> dict:
-        if self.lora is None:
-            return {"hits": {"device": 0, "host": 0}, "misses": 0, "loads": 0, "load_failures": 0,
-                    "evictions": {"device": 0, "host": 0}, "load_seconds": []}  # fmt: skip
-        return self.lora.stats()
+        return self.lora.stats() if self.lora is not None else CacheStats().as_dict()
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes held: base weights, KV cache, adapter slots (device), adapters in host memory."""

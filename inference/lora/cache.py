@@ -64,6 +64,17 @@ class CacheStats:
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     load_seconds: list[float] = field(default_factory=list)
 
+    def as_dict(self) -> dict:
+        """A copy safe to hand to another thread."""
+        return {
+            "hits": dict(self.hits),
+            "misses": self.misses,
+            "loads": self.loads,
+            "load_failures": self.load_failures,
+            "evictions": dict(self.evictions),
+            "load_seconds": list(self.load_seconds),
+        }
+
 
 class AdapterCache:
     def __init__(
@@ -292,15 +303,7 @@ class AdapterCache:
 
     def stats_snapshot(self) -> dict:
         with self._lock:
-            s = self.stats
-            return {
-                "hits": dict(s.hits),
-                "misses": s.misses,
-                "loads": s.loads,
-                "load_failures": s.load_failures,
-                "evictions": dict(s.evictions),
-                "load_seconds": list(s.load_seconds),
-            }
+            return self.stats.as_dict()
 
     def pending_loads(self) -> list[Future]:
         with self._lock:
