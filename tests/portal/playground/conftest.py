@@ -4,9 +4,7 @@ real tiny inference worker (random Llama weights, word-level tokenizer: starts i
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 import uuid
 
 import pytest
@@ -15,13 +13,6 @@ from django.test import Client
 from tests.inference.server.server_process import ServerProcess, start_server
 
 BASE = "tiny-base"
-
-try:  # channels.testing's __init__ imports its live-server helper, which needs daphne (not a
-    import daphne.testing  # noqa: F401 -- dependency here: uvicorn serves). Only the communicator is used.
-except ImportError:
-    sys.modules.setdefault("daphne", types.ModuleType("daphne"))
-    sys.modules.setdefault("daphne.testing", types.ModuleType("daphne.testing")).DaphneProcess = None
-
 
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
