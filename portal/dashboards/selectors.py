@@ -40,13 +40,12 @@ def _iso(value) -> str | None:
 
 # -- fleet ------------------------------------------------------------------------------------
 def fleet_overview() -> dict:
-    """Every worker row with its last poll, adapters per tier and memory accounting, and totals.
-
-    Cache hit rates are not part of a poll (the fleet stores residency, not the workers'
-    loraplex:lora_cache_* counters), so `cache` is None with the reason."""
+    """Every worker row with its last poll, adapters per tier, memory accounting and adapter
+    cache hit rates, and totals over the healthy workers."""
     workers = []
     totals = {"workers": 0, "healthy": 0, "num_running": 0, "num_waiting": 0,
               "adapters": dict.fromkeys(TIERS, 0), "memory": dict.fromkeys(MEMORY_KINDS, 0)}
+    fleet_counters: list[dict] = []
     for worker in InferenceWorker.objects.order_by("url"):
         tiers = Counter((worker.resident_adapters or {}).values())
         memory = {kind: (worker.memory or {}).get(kind) for kind in MEMORY_KINDS}
@@ -60,6 +59,7 @@ def fleet_overview() -> dict:
             "resident_adapters": dict(sorted((worker.resident_adapters or {}).items())),
             "memory": memory,
             "memory_other": {k: v for k, v in (worker.memory or {}).items() if k not in MEMORY_KINDS},
+            "cache": cache_rates(worker.cache_stats),
         })
         totals["workers"] += 1
         if worker.enabled and worker.healthy:
@@ -70,8 +70,44 @@ def fleet_overview() -> dict:
                 totals["adapters"][tier] += tiers.get(tier, 0)
             for kind in MEMORY_KINDS:
                 totals["memory"][kind] += memory[kind] or 0
-    return {"workers": workers, "totals": totals,
-            "cache": None, "cache_note": "adapter cache hit rates are not collected by the fleet poll"}
+            fleet_counters.append(worker.cache_stats or {})
+    totals["cache"] = cache_rates(_sum_counters(fleet_counters))
+    return {"workers": workers, "totals": totals}
+
+
+def cache_rates(counters: dict | None) -> dict | None:
+    """Hit rates from a worker's adapter-cache counters (since it started); None before any
+    adapter request. A request takes a slot once (one hit, by the tier the adapter was found
+    in); a request whose adapter was on disk first counts a miss, then a hit once it is loaded.
+    So `requests` = all hits, `warm_rate` = requests that found their adapter in memory,
+    `slot_rate` = requests that found it already in a device slot."""
+    if not counters:
+        return None
+    hits = {tier: int(n) for tier, n in (counters.get("hits") or {}).items()}
+    requests = sum(hits.values())
+    misses = int(counters.get("misses") or 0)
+    if not requests and not misses:
+        return None
+    cold = min(misses, requests)
+    return {
+        "requests": requests, "misses": misses,
+        "hits": {"device": hits.get("device", 0), "host": hits.get("host", 0)},
+        "warm_rate": (requests - cold) / requests if requests else None,
+        "slot_rate": hits.get("device", 0) / requests if requests else None,
+        "loads": int(counters.get("loads") or 0), "load_failures": int(counters.get("load_failures") or 0),
+        "evictions": {tier: int((counters.get("evictions") or {}).get(tier, 0)) for tier in ("device", "host")},
+    }
+
+
+def _sum_counters(many: list[dict]) -> dict:
+    total: dict = {"hits": Counter(), "evictions": Counter()}
+    for counters in many:
+        for key, value in counters.items():
+            if isinstance(value, dict):
+                total.setdefault(key, Counter()).update({k: int(v) for k, v in value.items()})
+            else:
+                total[key] = total.get(key, 0) + int(value)
+    return {key: dict(value) if isinstance(value, Counter) else value for key, value in total.items()}
 
 
 # -- tenants ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ POLL_FIELDS = [
     "kv_cache_usage",
     "resident_adapters",
     "memory",
+    "cache_stats",
     "created_at",
     "updated_at",
 ]

@@ -56,6 +56,9 @@ class InferenceWorker(models.Model):
     memory = models.JSONField(default=dict, blank=True, editable=False)  # {kind: bytes}
     # The base's shapes and adapter limits from GET /v1/base_model (what uploads validate against).
     base_config = models.JSONField(default=dict, blank=True, editable=False)
+    # The worker's adapter-cache counters since it started (its loraplex:lora_cache_* metrics):
+    # {"hits": {tier: n}, "misses": n, "loads": n, "load_failures": n, "evictions": {tier: n}}.
+    cache_stats = models.JSONField(default=dict, blank=True, editable=False)
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

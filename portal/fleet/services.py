@@ -31,6 +31,15 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 ADAPTER_RESIDENT = "loraplex:adapter_resident"  # {adapter, tier} 1.0 for the tier it is in
+# The adapter cache's counters (family names; samples end in _total). Per tier: hits, evictions.
+CACHE_COUNTERS = {
+    "loraplex:lora_cache_hits": "hits",
+    "loraplex:lora_cache_evictions": "evictions",
+    "loraplex:lora_cache_misses": "misses",
+    "loraplex:lora_cache_loads": "loads",
+    "loraplex:lora_cache_load_failures": "load_failures",
+}
+PER_TIER = ("hits", "evictions")
 
 
 class PollError(Exception):
@@ -50,6 +59,7 @@ class Probe:
     resident_adapters: dict[str, str] = field(default_factory=dict)
     memory: dict[str, int | float] = field(default_factory=dict)
     base_config: dict = field(default_factory=dict)
+    cache_stats: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -116,6 +126,7 @@ def _record(*, worker: InferenceWorker, probe: Probe, now: datetime) -> Inferenc
             "resident_adapters": probe.resident_adapters,
             "memory": probe.memory,
             "base_config": probe.base_config,
+            "cache_stats": probe.cache_stats,
         }
     else:
         # Keep base_model (the last one known); forget load and residency: nothing is known.
@@ -127,6 +138,7 @@ def _record(*, worker: InferenceWorker, probe: Probe, now: datetime) -> Inferenc
             "kv_cache_usage": 0.0,
             "resident_adapters": {},
             "memory": {},
+            "cache_stats": {},
         }
     if worker.healthy != probe.healthy or (not probe.healthy and worker.last_error != probe.error):
         log = logger.info if probe.healthy else logger.warning
@@ -262,7 +274,7 @@ def _read_adapters(client: httpx.Client, url: str, admin_token: str | None) -> t
 
 
 def _read_metrics(client: httpx.Client, url: str) -> Probe:
-    """Load, KV-cache use, memory gauges and adapter residency from GET /metrics."""
+    """Load, KV-cache use, memory gauges, adapter residency and cache counters from GET /metrics."""
     text = _get(client, url, "/metrics").text
     try:
         families = list(text_string_to_metric_families(text))
@@ -272,9 +284,12 @@ def _read_metrics(client: httpx.Client, url: str) -> Probe:
     values: dict[str, list[float]] = {}
     memory: dict[str, int | float] = {}
     resident: dict[str, str] = {}
+    cache: dict = {}
     for family in families:
         for sample in family.samples:
-            if sample.name in (RUNNING, WAITING, KV_USAGE):
+            if family.name in CACHE_COUNTERS and sample.name.endswith("_total"):
+                _add_cache_counter(cache, CACHE_COUNTERS[family.name], sample)
+            elif sample.name in (RUNNING, WAITING, KV_USAGE):
                 values.setdefault(sample.name, []).append(sample.value)
             elif sample.name == ADAPTER_RESIDENT and sample.value == 1 and "adapter" in sample.labels:
                 resident[sample.labels["adapter"]] = sample.labels.get("tier", "unknown")
@@ -297,7 +312,22 @@ def _read_metrics(client: httpx.Client, url: str) -> Probe:
         kv_cache_usage=float(min(max(values[KV_USAGE]), 1.0)),
         resident_adapters=resident,
         memory=memory,
+        cache_stats=cache,
     )
+
+
+def _add_cache_counter(cache: dict, key: str, sample) -> None:
+    """One counter sample into {"hits": {tier: n}, "misses": n, ...}; bad values are dropped
+    (a hit rate is a nicety: it never makes a serving worker unhealthy)."""
+    value = sample.value
+    if value != value or value < 0 or value == float("inf"):
+        return
+    if key in PER_TIER:
+        tier = sample.labels.get("tier", "unknown")
+        tiers = cache.setdefault(key, {})
+        tiers[tier] = tiers.get(tier, 0) + int(value)
+    else:
+        cache[key] = cache.get(key, 0) + int(value)
 
 
 def _number(value: float) -> int | float:

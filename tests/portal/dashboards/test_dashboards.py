@@ -53,6 +53,8 @@ def seeded(db):
         resident_adapters={"lora-a": "device", "lora-b": "host", "lora-c": "host", "lora-d": "disk"},
         memory={"base_weights": 269_000_000, "kv_cache": 67_108_864, "adapter_slots": 4_194_304,
                 "host_adapters": 2_097_152, "process_resident_memory_bytes": 1_500_000_000},
+        cache_stats={"hits": {"device": 90, "host": 10}, "misses": 4, "loads": 4, "load_failures": 1,
+                     "evictions": {"device": 6, "host": 1}},
         last_seen_at=now)
     InferenceWorker.objects.create(url="http://w2:8001", healthy=False, last_error="GET /ready: ConnectError")
     return {"acme": acme, "globex": globex, "version": v1}
@@ -96,7 +98,32 @@ def test_fleet_json(client, staff, seeded):
     totals = data["totals"]
     assert (totals["workers"], totals["healthy"], totals["num_running"], totals["num_waiting"]) == (2, 1, 3, 2)
     assert totals["adapters"]["host"] == 2 and totals["memory"]["kv_cache"] == 67_108_864
-    assert data["cache"] is None and "not collected" in data["cache_note"]
+    # 100 adapter requests: 90 found a slot, 10 host memory, 4 of those waited on a disk load
+    assert w1["cache"] == {"requests": 100, "misses": 4, "hits": {"device": 90, "host": 10},
+                           "warm_rate": 0.96, "slot_rate": 0.9, "loads": 4, "load_failures": 1,
+                           "evictions": {"device": 6, "host": 1}}
+    assert w2["cache"] is None
+    assert totals["cache"] == w1["cache"]  # the unhealthy worker's (empty) counters add nothing
+
+
+def test_fleet_cache_totals_add_up_healthy_workers_and_show_on_the_page(client, staff, db):
+    for name, stats, healthy in (
+        ("a", {"hits": {"device": 30, "host": 10}, "misses": 10, "evictions": {"device": 2}}, True),
+        ("b", {"hits": {"device": 50, "host": 10}, "misses": 0, "evictions": {"host": 3}}, True),
+        ("c", {"hits": {"device": 1000}, "misses": 0}, False),  # its last counters are stale: left out
+        ("d", {}, True),  # no adapter request yet
+    ):
+        InferenceWorker.objects.create(url=f"http://{name}:8001", name=name, healthy=healthy, cache_stats=stats)
+    client.force_login(staff)
+    data = client.get("/dashboards/api/fleet.json").json()
+    totals = data["totals"]["cache"]
+    assert (totals["requests"], totals["misses"], totals["warm_rate"], totals["slot_rate"]) == (100, 10, 0.9, 0.8)
+    assert totals["evictions"] == {"device": 2, "host": 3}
+    assert [w["cache"] and w["cache"]["warm_rate"] for w in data["workers"]] == [0.75, 1.0, 1.0, None]
+    html = client.get("/dashboards/").content.decode()
+    assert "<strong>90%</strong> of 100 adapter requests found the adapter in memory" in html
+    assert "(80% already in a slot) · 10 loaded from disk" in html
+    assert "75% warm" in html and "no adapter requests" in html and 'data-chart="fleet-cache"' in html
 
 
 def test_tenants_json_counts_errors_quota_rejections_and_spend(client, staff, seeded):

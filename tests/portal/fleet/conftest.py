@@ -53,6 +53,23 @@ loraplex:adapter_resident{adapter="lora-b",tier="host"} 1.0
 # HELP loraplex:adapter_bytes Adapter weights in memory (bytes).
 # TYPE loraplex:adapter_bytes gauge
 loraplex:adapter_bytes{adapter="lora-a"} 1.048576e+06
+# HELP loraplex:lora_cache_hits_total Adapter lookups served by a tier.
+# TYPE loraplex:lora_cache_hits_total counter
+loraplex:lora_cache_hits_total{tier="device"} 40.0
+loraplex:lora_cache_hits_total{tier="host"} 7.0
+# HELP loraplex:lora_cache_evictions_total Adapters evicted from a tier.
+# TYPE loraplex:lora_cache_evictions_total counter
+loraplex:lora_cache_evictions_total{tier="device"} 3.0
+loraplex:lora_cache_evictions_total{tier="host"} 0.0
+# HELP loraplex:lora_cache_misses_total Adapter lookups that had to load from disk.
+# TYPE loraplex:lora_cache_misses_total counter
+loraplex:lora_cache_misses_total {misses}
+# HELP loraplex:lora_cache_loads_total Adapter loads.
+# TYPE loraplex:lora_cache_loads_total counter
+loraplex:lora_cache_loads_total 5.0
+# HELP loraplex:lora_cache_load_failures_total Adapter loads that failed.
+# TYPE loraplex:lora_cache_load_failures_total counter
+loraplex:lora_cache_load_failures_total 0.0
 # HELP loraplex:memory_bytes Memory by use (bytes).
 # TYPE loraplex:memory_bytes gauge
 loraplex:memory_bytes{kind="base_weights"} 2.69e+08
@@ -84,6 +101,7 @@ class FakeWorker:
     running: int = 2
     waiting: int = 1
     kv: float = 0.25
+    misses: str = "2.0"  # a string: a test sets a bad value
     admin_token: str | None = None
     adapters: list = field(default_factory=lambda: [dict(a) for a in ADAPTERS])
     responses: dict = field(default_factory=dict)
@@ -93,7 +111,8 @@ class FakeWorker:
 
     def metrics_text(self) -> str:
         return (METRICS.replace("{running}", f"{float(self.running)}")
-                .replace("{waiting}", f"{float(self.waiting)}").replace("{kv}", str(self.kv)))
+                .replace("{waiting}", f"{float(self.waiting)}").replace("{kv}", str(self.kv))
+                .replace("{misses}", self.misses))
 
     def answer(self, path: str, headers) -> tuple[int, str, str]:
         self.requests.append((path, headers.get("Authorization")))

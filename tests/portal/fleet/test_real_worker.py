@@ -142,6 +142,12 @@ def test_poll_a_real_worker_then_see_it_die(real_worker, settings):
     [worker] = fleet_poll()
     assert worker.resident_adapters == {"fleet-ad": "device"}
     assert route_candidates(lora_name="fleet-ad")[0].url == url
+    # The worker's adapter-cache counters come with the poll: one request, one hit.
+    first = worker.cache_stats
+    assert sum(first["hits"].values()) == 1 and first["misses"] <= 1 and first["load_failures"] == 0
+    httpx.post(f"{url}/v1/completions", json={"model": "fleet-ad", "prompt": "t5", "max_tokens": 1}, timeout=30)
+    [worker] = fleet_poll()
+    assert worker.cache_stats["hits"]["device"] == first["hits"].get("device", 0) + 1  # still in its slot
 
     proc.terminate()
     proc.wait(15)

@@ -33,6 +33,8 @@ def test_a_healthy_worker_records_load_kv_memory_base_model_and_adapter_tiers(fa
         assert w.resident_adapters == {"lora-a": "device", "lora-b": "host", "lora-c": "disk"}
         assert w.memory == {"base_weights": 269_000_000, "kv_cache": 67_108_864, "adapter_slots": 4_194_304,
                             "host_adapters": 2_097_152, "process_resident_memory_bytes": 1_500_000_000}
+        assert w.cache_stats == {"hits": {"device": 40, "host": 7}, "evictions": {"device": 3, "host": 0},
+                                 "misses": 2, "loads": 5, "load_failures": 0}
         assert w.last_seen_at is not None and w.last_polled_at == w.last_seen_at
     assert stored.has_resident("lora-a") and stored.has_resident("lora-b") and not stored.has_resident("lora-c")
     assert w.base_config["hidden_size"] == 576 and w.base_config["max_lora_rank"] == 16
@@ -64,6 +66,13 @@ def test_a_refused_adapter_list_keeps_the_worker_healthy_with_residency_from_met
     assert "INFERENCE_ADMIN_TOKEN" in worker.last_error
 
 
+def test_a_bad_cache_counter_is_dropped_without_making_the_worker_unhealthy(fake_worker):
+    fake_worker.misses = "NaN"
+    worker = worker_poll(worker=row(fake_worker.url))
+    assert worker.healthy and worker.last_error == ""
+    assert "misses" not in worker.cache_stats and worker.cache_stats["hits"] == {"device": 40, "host": 7}
+
+
 def test_connection_refused_marks_the_worker_unhealthy(dead_url):
     worker = row(dead_url, healthy=True, num_running=5, resident_adapters={"lora-a": "device"}, base_model="smollm2")
 
@@ -72,7 +81,7 @@ def test_connection_refused_marks_the_worker_unhealthy(dead_url):
     worker.refresh_from_db()
     assert not worker.healthy
     assert worker.last_error.startswith("not ready: GET /ready: cannot connect")
-    assert (worker.load, worker.resident_adapters, worker.memory) == (0, {}, {})
+    assert (worker.load, worker.resident_adapters, worker.memory, worker.cache_stats) == (0, {}, {}, {})
     assert worker.base_model == "smollm2"  # the last one known is kept
     assert worker.last_polled_at is not None and worker.last_seen_at is None
 

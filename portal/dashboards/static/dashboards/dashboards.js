@@ -20,6 +20,19 @@
         { label: "waiting", data: w.map(function (x) { return x.num_waiting; }) }
       ], { scales: { x: { stacked: true }, y: { stacked: true, title: { display: true, text: "requests" } } } });
     },
+    "fleet-cache": function (data) {
+      // Where each adapter request found its adapter: a device slot, host memory, or disk (cold).
+      var w = data.workers;
+      function part(x, key) {
+        if (!x.cache) return 0;
+        return key === "cold" ? Math.min(x.cache.misses, x.cache.requests) :
+          key === "host" ? x.cache.hits.host - Math.min(x.cache.misses, x.cache.requests) : x.cache.hits.device;
+      }
+      return bars(w.map(function (x) { return x.name; }), ["device", "host", "cold"].map(function (key) {
+        return { label: key === "device" ? "in a slot" : key === "host" ? "in host memory" : "loaded from disk",
+                 data: w.map(function (x) { return Math.max(part(x, key), 0); }) };
+      }), { scales: { x: { stacked: true }, y: { stacked: true, title: { display: true, text: "adapter requests" } } } });
+    },
     "fleet-memory": function (data) {
       var w = data.workers;
       return bars(w.map(function (x) { return x.name; }), MEMORY.map(function (kind) {
