@@ -5,8 +5,9 @@ files, create the demo staff user / tenant / API key, then run the processes und
 honcho (one coloured log stream, Ctrl-C stops them all).
 
 With REDIS_URL unset everything runs on embedded defaults (SQLite, in-memory channel
-layer, Celery tasks in-process), so nothing but Python is needed; with REDIS_URL set a
-Celery worker (with its beat scheduler) runs as its own process.
+layer, Celery tasks in-process, periodic tasks from `manage.py run_schedule`), so nothing but
+Python is needed; with REDIS_URL set a Celery worker (with its beat scheduler) runs as its own
+process.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def processes() -> dict[str, str]:
     }
     if os.environ.get("REDIS_URL"):
         procs["worker"] = f"{PY} -m celery -A portal.celery worker --beat --schedule var/celerybeat-schedule --loglevel INFO --concurrency 2"
+    else:
+        # No broker, so no beat: the periodic tasks (fleet poll, roll-ups, prewarm) run here.
+        procs["schedule"] = f"{PY} manage.py run_schedule"
     return procs
 
 

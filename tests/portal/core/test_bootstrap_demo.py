@@ -5,6 +5,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from portal.adapters.models import AdapterVersion
+from portal.adapters.staging import version_stage_enqueue as real_stage_enqueue
 from portal.config import WebConfig
 from portal.core.services import DEMO_ADAPTERS
 from portal.keys.models import ApiKey
@@ -120,3 +121,20 @@ def test_demo_adapters_go_through_upload_validation_and_staging_once(
     assert "Demo adapter demo/pirate@v1: uploaded, validating after commit." in out
     bootstrap()  # a rerun uploads nothing more
     assert AdapterVersion.objects.filter(adapter__tenant__slug="demo").count() == len(DEMO_ADAPTERS)
+
+
+@pytest.mark.django_db(transaction=True)  # commits for real, as under make run
+def test_without_a_worker_yet_it_says_adapters_load_on_first_use(monkeypatch, settings):
+    # make run starts the inference worker after bootstrap_demo: staging finds nobody listening.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        settings.INFERENCE_URLS = [f"http://127.0.0.1:{s.getsockname()[1]}"]
+    monkeypatch.setattr("portal.adapters.staging.version_stage_enqueue", real_stage_enqueue)
+    monkeypatch.delenv("DEMO_ADMIN_PASSWORD", raising=False)
+    out, _ = bootstrap()
+    assert "Demo adapter demo/pirate@v1: ready." in out
+    assert "a worker loads each one on its first request" in out
+    versions = AdapterVersion.objects.filter(adapter__tenant__slug="demo")
+    assert {v.status for v in versions} == {"ready"}  # a failed staging does not touch the version

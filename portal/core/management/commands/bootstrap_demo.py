@@ -67,3 +67,7 @@ class Command(BaseCommand):
             version.refresh_from_db()
             if version.status != version.Status.UPLOADED:  # validated in-process (no Celery worker)
                 self.stdout.write(f"Demo adapter {version.public_id}: {version.get_status_display().lower()}.")
+        if any(entry.get("status") == "failed" for v in uploaded for entry in (v.staging or {}).values()):
+            # make run starts the inference worker after this command, so staging finds nobody.
+            self.stdout.write("No inference worker answered yet, so the adapters were not staged; "
+                              "a worker loads each one on its first request.")
