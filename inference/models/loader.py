@@ -55,6 +55,8 @@ def load_model(
         unit="tensor",
         file=sys.stderr,
         disable=not progress,
+        # Under a supervisor (honcho, systemd, kubectl logs) every redraw is a log line.
+        mininterval=0.1 if sys.stderr.isatty() else 5.0,
     ) as bar:
         state = checkpoint.load_state_dict(dtype, on_tensor=lambda name: bar.update())
 

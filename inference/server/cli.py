@@ -74,6 +74,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+class QuietProbes(logging.Filter):
+    """Drops access-log lines of successful probes (the fleet poll and Prometheus hit these
+    every few seconds); failed probes and every other route are still logged."""
+
+    PATHS = frozenset({"/ready", "/health", "/metrics", "/v1/base_model"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:  # uvicorn: (client, method, path, http, status)
+            path, status = str(args[2]).split("?", 1)[0], args[4]
+            return not (path in self.PATHS and isinstance(status, int) and status < 400)
+        return True
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -91,6 +105,7 @@ def serve(args: argparse.Namespace) -> int:
         admin_token=args.admin_token,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

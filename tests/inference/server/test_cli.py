@@ -28,3 +28,18 @@ def test_bad_flags_are_one_line_and_exit_2(args, needle, smollm2_path):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("config error: ") and needle in lines[0], result.stderr
+
+
+def test_successful_probes_are_left_out_of_the_access_log_and_everything_else_stays():
+    import logging
+
+    from inference.server.cli import QuietProbes
+
+    def line(path: str, status: int) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5000", "GET", path, "1.1", status), None)
+
+    quiet = QuietProbes()
+    assert not quiet.filter(line("/ready", 200)) and not quiet.filter(line("/metrics?x=1", 200))
+    assert quiet.filter(line("/ready", 503))  # a worker still loading, or dead, is worth a line
+    assert quiet.filter(line("/v1/chat/completions", 200)) and quiet.filter(line("/v1/models", 200))
