@@ -48,12 +48,14 @@ def month_overview(*, tenant: Tenant, now: datetime) -> MonthOverview:
     now = now.astimezone(UTC)
     statement = statement_for(tenant=tenant, year=now.year, month=now.month)
     start, end = month_bounds(now.year, now.month)
-    errors = UsageRecord.objects.filter(ERROR_Q, tenant=tenant, created_at__gte=start, created_at__lt=end).count()
+    # Every request, refused ones too (the statement leaves out those that used no token).
+    counts = UsageRecord.objects.filter(tenant=tenant, created_at__gte=start, created_at__lt=end).aggregate(
+        requests=Count("id"), errors=Count("id", filter=ERROR_Q))
     budget = quota_usage(tenant=tenant)["monthly_token_budget"]
     return MonthOverview(
         period=statement.period,
-        requests=statement.requests,
-        errors=errors,
+        requests=counts["requests"],
+        errors=counts["errors"],
         prompt_tokens=statement.prompt_tokens,
         completion_tokens=statement.completion_tokens,
         spend=statement.total_cost,

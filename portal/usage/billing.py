@@ -99,12 +99,15 @@ class Statement:
 
 
 def statement_for(*, tenant: Tenant, year: int, month: int) -> Statement:
-    """The tenant's statement for a UTC calendar month, from the ledger (every request billed
-    for the tokens the worker counted, errors and disconnects included)."""
+    """The tenant's statement for a UTC calendar month, from the ledger: every request billed
+    for the tokens the worker counted, errors and disconnects included. Requests that used no
+    token (refused before reaching a worker: unknown model, quota, bad input) cost nothing and
+    stay off the statement; the usage page still shows them as errors."""
     start, end = month_bounds(year, month)  # InvalidInput for a month that does not exist
     plan = plan_for(tenant.plan)
     rows = (
         UsageRecord.objects.filter(tenant=tenant, created_at__gte=start, created_at__lt=end)
+        .exclude(prompt_tokens=0, completion_tokens=0)
         .values("model")
         .annotate(requests=Count("id"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
         .order_by("model")

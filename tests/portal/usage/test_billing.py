@@ -80,6 +80,16 @@ def test_months_are_utc_calendar_months(record, tenant):
     assert statement_for(tenant=tenant, year=2025, month=1).prompt_tokens == 100000
 
 
+def test_requests_refused_before_any_token_cost_nothing_and_stay_off_the_statement(record, tenant):
+    record(model="other/x", prompt_tokens=0, completion_tokens=0, status_code=404, error="model not found")
+    record(model="acme/bot", prompt_tokens=0, completion_tokens=0, status_code=429, error="quota")
+    record(model="acme/bot", prompt_tokens=7, completion_tokens=0, status_code=499, error="client went away")
+
+    statement = statement_for(tenant=tenant, year=2025, month=3)
+
+    assert [(line.model, line.requests, line.prompt_tokens) for line in statement.lines] == [("acme/bot", 1, 7)]
+
+
 def test_other_tenants_usage_is_not_on_the_statement(record, tenant):
     other = tenant_create(slug="other", name="Other")
     record(tenant=other, prompt_tokens=500)
