@@ -16,6 +16,8 @@ def test_front_page_describes_the_portal_and_links_admin_and_health(client):
     assert 'href="/admin/"' in html
     assert 'href="/healthz"' in html
     assert "Your tenants" not in html  # anonymous visitors see no tenant list
+    assert 'href="/login/"' in html and "http://testserver/v1" in html  # where to sign in, where to call
+    assert "/dashboards/" not in html  # staff only
 
 
 def test_front_page_stylesheet_is_served(client):
@@ -41,6 +43,7 @@ def test_signed_in_user_sees_their_tenants_and_roles(client, user, tenant):
     assert "Acme Corp" in html and "&middot; Admin" in html
     assert "Globex" in html and "&middot; Viewer" in html and "suspended" in html
     assert "Initech" not in html
+    assert 'href="/t/acme/"' in html and 'href="/t/"' in html  # straight into the portal
 
 
 def test_signed_in_user_without_tenants_is_told_so(client, user):
@@ -51,3 +54,10 @@ def test_signed_in_user_without_tenants_is_told_so(client, user):
 
 def test_front_page_rejects_post(client):
     assert client.post("/").status_code == 405
+
+
+def test_staff_see_the_dashboards_card(client, user):
+    user.is_staff = True
+    user.save()
+    client.force_login(user)
+    assert 'href="/dashboards/"' in client.get("/").content.decode()
