@@ -49,6 +49,11 @@ def _membership(user, slug: str) -> Membership | None:
 
 
 class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
+    # No channel layer: nothing is ever sent to a playground socket from outside it. With the
+    # default (Redis) layer every socket also sat in a 5 s BZPOPMIN on its own channel, which
+    # redis-py reads with a 5 s socket timeout: when the answer came a little late (a busy
+    # loop), the read raised TimeoutError out of the consumer and the socket dropped mid-chat.
+    channel_layer_alias = None
     membership: Membership | None = None
     task: asyncio.Task | None = None
     request_id: str | None = None

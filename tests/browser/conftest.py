@@ -144,16 +144,29 @@ def browser(live, artifacts):
         chromium.close()
 
 
-@pytest.fixture
-def page(browser):
+def new_page(browser):
+    """A page in a fresh browser context (its own cookies): uncaught script errors collect in
+    page.js_errors, and any dialog (alert, confirm...) is dismissed and recorded in page.dialogs."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     context.set_default_timeout(20_000)
     page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.js_errors = errors
+    page.js_errors = []
+    page.dialogs = []
+    page.on("pageerror", lambda error: page.js_errors.append(str(error)))
+
+    def on_dialog(dialog):
+        page.dialogs.append(f"{dialog.type}: {dialog.message}")
+        dialog.dismiss()
+
+    page.on("dialog", on_dialog)
+    return page
+
+
+@pytest.fixture
+def page(browser):
+    page = new_page(browser)
     yield page
-    context.close()
+    page.context.close()
 
 
 def shot(page, name: str) -> Path:
@@ -180,18 +193,31 @@ def off_loop(fn, *args, **kwargs):
         return pool.submit(call).result()
 
 
-def make_user(username: str, tenant_roles: dict):
+def wait_until(predicate, timeout_s: float = 20, interval_s: float = 0.05):
+    """Poll predicate (ORM code is fine: each call runs off the loop) until it returns a truthy
+    value, which is returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = off_loop(predicate)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(interval_s)
+
+
+def make_user(username: str, tenant_roles: dict, *, staff: bool = False):
     """A user with PASSWORD who is a member of each tenant slug with the given role."""
-    return off_loop(_make_user, username, tenant_roles)
+    return off_loop(_make_user, username, tenant_roles, staff)
 
 
-def _make_user(username: str, tenant_roles: dict):
+def _make_user(username: str, tenant_roles: dict, staff: bool = False):
     from django.contrib.auth import get_user_model
 
     from portal.tenants.models import Tenant
     from portal.tenants.services import membership_create, tenant_create
 
-    user = get_user_model().objects.create_user(username=username, password=PASSWORD)
+    user = get_user_model().objects.create_user(username=username, password=PASSWORD, is_staff=staff)
     for slug, role in tenant_roles.items():
         tenant = Tenant.objects.filter(slug=slug).first() or tenant_create(slug=slug, name=f"{slug.title()} Inc")
         membership_create(tenant=tenant, user=user, role=role)

@@ -1,15 +1,22 @@
 """The tenant portal in a real browser (Debian chromium via Playwright) against the live ASGI app
-and a real inference worker. Every page visited is saved under tests/browser/artifacts/."""
+and a real inference worker (SmolLM2-135M on CPU). One member journey: log in, create a key,
+upload an adapter and watch it become ready, chat with it in the playground (tokens stream, Stop
+aborts, markup stays text), see an invalid upload's reason, call the gateway with the key, find
+every request on the usage page, its chart, the export, the overview and the bill; then a staff
+user sees the traffic on the dashboards. Every page visited is saved, in order, under
+tests/browser/artifacts/."""
 
 from __future__ import annotations
 
+import csv
+import io
 import re
 
 import httpx
 import pytest
 
 from portal.adapters.validation import SMOLLM2_135M
-from tests.browser.conftest import log_in, make_user, off_loop, shot
+from tests.browser.conftest import log_in, make_user, new_page, off_loop, shot, wait_until
 from tests.portal.adapters.peft_files import peft_config, write_peft
 
 pytestmark = pytest.mark.slow
@@ -20,7 +27,76 @@ def _wait_for_status(page, number: int, status: str, timeout_s: float = 60) -> N
     page.wait_for_selector(f"#version-{number}[data-status={status}]", timeout=timeout_s * 1000)
 
 
-def test_member_journey_key_upload_ready_usage(live, page, tmp_path):
+def _wait_for_playground(page, condition: str, timeout_s: float = 60) -> None:
+    """Wait until #pg-status's text satisfies a JS expression over `s`."""
+    page.wait_for_function(f"(() => {{ const s = document.getElementById('pg-status').textContent; return {condition}; }})()",
+                           timeout=timeout_s * 1000)
+
+
+def _cells(page, table: str, row_text: str) -> list[str]:
+    return [cell.strip() for cell in page.locator(f"{table} tbody tr", has_text=row_text).first.locator("td").all_inner_texts()]
+
+
+LAST_ANSWER = "(() => { const t = document.querySelectorAll('.pg-msg.assistant .text'); return t[t.length - 1]; })()"
+XSS = "<img src=x onerror=alert(1)>"
+
+
+def _playground(page, live, worker) -> None:
+    """The adapter in the playground: tokens stream, Stop ends the generation, a short turn
+    finishes with its stats, and what the user typed stays text. Two ledger rows."""
+    page.goto(f"{live.url}/t/acme/playground/")
+    _wait_for_playground(page, "s === 'connected'")
+    assert "acme/support-bot" in page.locator("#pg-model option").all_inner_texts()
+    page.select_option("#pg-model", "acme/support-bot")
+    page.fill("#pg-temperature", "0")
+    page.fill("#pg-max-tokens", "200")
+    page.fill("#pg-input", "Count from 1 to 100, one number per line.")
+    page.click("#pg-send")
+    answer = page.locator(".pg-msg.assistant .text").last
+    stop, send = page.locator("#pg-stop"), page.locator("#pg-send")
+    seen = [""]
+    for _ in range(3):  # the answer grows while Stop is enabled: tokens stream in
+        page.wait_for_function(f"n => {LAST_ANSWER}.textContent.length > n", arg=len(seen[-1]))
+        assert stop.is_enabled() and send.is_disabled()
+        seen.append(answer.text_content())
+    assert all(len(a) < len(b) and b.startswith(a) for a, b in zip(seen, seen[1:], strict=False)), seen
+    assert page.inner_text("#pg-status") == "generating…"
+    shot(page, "10-playground-streaming")
+
+    stop.click()
+    _wait_for_playground(page, "s === 'stopped'")
+    stopped_at = answer.text_content()
+    assert stopped_at.startswith(seen[-1])
+    page.wait_for_timeout(300)
+    assert answer.text_content() == stopped_at  # nothing arrives after Stop
+    assert stop.is_disabled() and send.is_enabled()
+    # The worker aborted the request too (200 tokens on this CPU would take many seconds more).
+    wait_until(lambda: worker.metric("vllm:num_requests_running") == 0
+               and worker.metric("vllm:num_requests_waiting") == 0, timeout_s=5)
+    shot(page, "11-playground-stopped")
+
+    page.fill("#pg-max-tokens", "6")
+    page.fill("#pg-input", f"Say hi {XSS}")
+    page.click("#pg-send")
+    _wait_for_playground(page, "s.startsWith('done')")
+    stats = page.inner_text("#pg-stats")
+    assert "time to first token" in stats and "tokens/s" in stats, stats
+    assert answer.text_content().strip()
+    # What the user typed is shown as text, never parsed: no <img>, no alert.
+    assert page.locator(".pg-msg.user .text").last.text_content() == f"Say hi {XSS}"
+    assert page.locator("#pg-log img").count() == 0
+    assert page.locator(".pg-msg.assistant").count() == 2 and page.locator(".pg-msg.error").count() == 0
+    shot(page, "12-playground-done")
+    assert page.dialogs == []
+
+
+def _usage_rows(tenant_slug: str) -> int:
+    from portal.usage.models import UsageRecord
+
+    return UsageRecord.objects.filter(tenant__slug=tenant_slug).count()
+
+
+def test_member_journey_key_upload_ready_playground_usage(live, worker, browser, page, tmp_path):
     make_user("mia", {"acme": "owner", "globex": "member"})
     page.goto(f"{live.url}/login/")
     shot(page, "01-login")
@@ -41,24 +117,26 @@ def test_member_journey_key_upload_ready_usage(live, page, tmp_path):
     # Switching tenant with the header's select.
     page.select_option("#tenant-switch", label="Globex Inc")
     page.wait_for_url(f"{live.url}/t/globex/")
+    shot(page, "04-overview-switched")
     page.goto(f"{live.url}/t/acme/keys/")
 
     # API key: the secret is shown once.
     page.fill("#id_name", "")
     page.click("text=Create key")
     assert "This field is required." in page.inner_text(".field.has-error")
-    shot(page, "04-keys-inline-error")
+    shot(page, "05-keys-inline-error")
     page.fill("#id_name", "browser <key>")
     page.click("text=Create key")
     secret = page.inner_text("#new-key-secret").strip()
     assert secret.startswith("sk-")
-    shot(page, "05-keys-secret-once")
+    shot(page, "06-keys-secret-once")
     page.goto(f"{live.url}/t/acme/keys/")
     assert secret not in page.content() and "browser <key>" in page.inner_text("table")
+    shot(page, "07-keys-list")
 
     # Adapter: create, upload a valid version with the progress bar, watch it become ready.
     page.goto(f"{live.url}/t/acme/adapters/")
-    shot(page, "06-adapters-empty")
+    shot(page, "08-adapters-empty")
     page.fill("#id_name", "support-bot")
     page.fill("#id_description", "Answers <b>support</b> questions")
     page.click("text=Create adapter")
@@ -70,16 +148,20 @@ def test_member_journey_key_upload_ready_usage(live, page, tmp_path):
     _wait_for_status(page, 1, "ready")
     assert "serving" in page.inner_text("#version-1")
     assert page.locator("#upload-error").is_hidden()
-    shot(page, "07-adapter-ready")
+    shot(page, "09-adapter-ready")
+
+    # Chat with it in the playground: stream, stop, a short turn that finishes.
+    _playground(page, live, worker)
 
     # An invalid upload (rank over the fleet's maximum) shows its reason.
+    page.goto(f"{live.url}/t/acme/adapters/support-bot/")
     bad = write_peft(tmp_path / "bad", SMOLLM2_135M, config=peft_config(r=32), rank=32)
     page.set_input_files("#id_files", [str(bad / "adapter_config.json"), str(bad / "adapter_model.safetensors")])
     page.click("#upload-form button[type=submit]")
     _wait_for_status(page, 2, "rejected")
     reasons = page.inner_text("#version-2 .reasons")
     assert re.search(r"rank", reasons), reasons
-    shot(page, "08-adapter-rejected-reason")
+    shot(page, "13-adapter-rejected-reason")
 
     # Refused at once by the API (not a PEFT pair): the reason shows under the form, as text.
     notes = tmp_path / "notes.txt"
@@ -89,9 +171,9 @@ def test_member_journey_key_upload_ready_usage(live, page, tmp_path):
     page.wait_for_selector("#upload-error:not([hidden])")
     assert page.inner_text("#upload-error").strip()
     assert page.locator("#upload-error b").count() == 0
-    shot(page, "08b-upload-refused")
+    shot(page, "14-upload-refused")
 
-    # A request through the gateway with the new key, on the real worker, then the usage page.
+    # The new key works through the gateway on the real worker: the base and the adapter.
     with httpx.Client(base_url=f"{live.url}/v1", headers={"Authorization": f"Bearer {secret}"}, timeout=120) as api:
         models = api.get("/models").json()["data"]
         base = models[0]["id"]
@@ -101,22 +183,69 @@ def test_member_journey_key_upload_ready_usage(live, page, tmp_path):
         tuned = api.post("/chat/completions", json={
             "model": "acme/support-bot", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
         assert tuned.status_code == 200, tuned.text
+
+    # The usage page counts the playground's requests like the API's: 2 + 2. The stopped one is
+    # a request (no error) but not a completed one (the client left before the end).
+    wait_until(lambda: _usage_rows("acme") == 4)
     page.goto(f"{live.url}/t/acme/usage/")
     page.wait_for_selector("#chart-daily[data-ready='1']")
     page.wait_for_selector("#chart-models[data-ready='1']")
-    assert base in page.inner_text("#usage-by-model") and "acme/support-bot" in page.inner_text("#usage-by-model")
-    chart = page.evaluate("document.getElementById('chart-daily').chart.data.datasets[2].data.slice(-1)[0]")
-    assert chart == 2
+    assert _cells(page, "#usage-by-model", "acme/support-bot")[1:3] == ["3", "0"]  # requests, errors
+    assert _cells(page, "#usage-by-model", base)[1:3] == ["1", "0"]
+    daily = page.evaluate("""() => { const d = document.getElementById('chart-daily').chart.data.datasets;
+                                     return [d[2].data.slice(-1)[0], d[3].data.slice(-1)[0]]; }""")
+    assert daily == [4, 0]  # requests, errors today
     labels = page.evaluate("document.getElementById('chart-models').chart.data.labels")
     assert sorted(labels) == sorted([base, "acme/support-bot"])
-    shot(page, "09-usage-with-chart")
+    assert "Over 3 completed requests" in page.inner_text("main")
+    shot(page, "15-usage-with-chart")
+    # The export has one row per request; the stopped one: client disconnected, no error.
+    href = page.get_attribute("text=Every request in this period (CSV)", "href")
+    export = page.request.get(f"{live.url}{href}")
+    assert export.ok
+    rows = list(csv.DictReader(io.StringIO(export.text())))
+    assert len(rows) == 4
+    playground = [row for row in rows if not row["api_key"]]
+    assert [row["model"] for row in playground] == ["acme/support-bot"] * 2
+    stopped, finished = playground
+    assert stopped["client_disconnected"] == "true" and stopped["status_code"] == "200" and not stopped["error"]
+    assert 0 < int(stopped["completion_tokens"]) < 200 and not stopped["finish_reason"]
+    assert finished["client_disconnected"] == "false" and finished["finish_reason"] in ("length", "stop")
+    assert 0 < int(finished["completion_tokens"]) <= 6
+    assert all(row["stream"] == "true" for row in playground)
+
     page.goto(f"{live.url}/t/acme/")
-    assert page.inner_text("#stat-requests") == "2"
-    shot(page, "10-overview")
+    assert page.inner_text("#stat-requests") == "4"
+    shot(page, "16-overview")
     page.goto(f"{live.url}/t/acme/billing/")
-    assert base in page.inner_text("#statement")
-    shot(page, "11-billing")
-    assert page.js_errors == []
+    statement = page.inner_text("#statement")
+    assert base in statement and "acme/support-bot" in statement
+    assert page.inner_text("#statement tfoot th.num >> nth=0") == "4"
+    shot(page, "17-billing")
+    assert page.js_errors == [] and page.dialogs == []
+
+    # Staff see the traffic on the dashboards (their own browser context).
+    make_user("sam", {}, staff=True)
+    staff = new_page(browser)
+    try:
+        log_in(staff, live, "sam")
+        off_loop(lambda: __import__("portal.fleet.services", fromlist=["fleet_poll"]).fleet_poll())
+        for number, (name, path) in enumerate(DASHBOARDS, start=18):
+            staff.goto(f"{live.url}/dashboards/{path}")
+            staff.wait_for_load_state("networkidle")
+            assert staff.locator("p.bad").count() == 0, name  # a chart that failed to load says so
+            if name == "fleet":
+                row = staff.locator("tbody tr", has_text=worker.url)
+                assert row.count() == 1 and "unhealthy" not in row.inner_text()
+                assert row.locator(".ok", has_text=re.compile(r"^healthy$")).count() == 1
+            shot(staff, f"{number}-dash-{name}")
+        assert staff.js_errors == [] and staff.dialogs == []
+    finally:
+        staff.context.close()
+
+
+DASHBOARDS = [("fleet", ""), ("tenants", "tenants/"), ("latency", "latency/"), ("adapters", "adapters/"),
+              ("billing", "billing/")]
 
 
 def test_member_of_a_gets_404_on_b(live, page):
@@ -127,7 +256,7 @@ def test_member_of_a_gets_404_on_b(live, page):
         response = page.goto(f"{live.url}{path}")
         assert response.status == 404, path
         assert "Globex" not in page.content()
-    shot(page, "12-other-tenant-404")
+    shot(page, "23-other-tenant-404")
 
 
 def test_viewer_cannot_create_keys(live, page):
@@ -136,7 +265,7 @@ def test_viewer_cannot_create_keys(live, page):
     page.goto(f"{live.url}/t/acme/keys/")
     assert page.locator("text=Create key").count() == 0
     assert "not create or revoke" in page.inner_text(".note")
-    shot(page, "13-viewer-keys")
+    shot(page, "24-viewer-keys")
     # Even a hand-made POST (with a valid CSRF token) is refused with a message.
     with page.expect_navigation():
         page.evaluate("""() => {
@@ -147,7 +276,7 @@ def test_viewer_cannot_create_keys(live, page):
             form.append(token, name); document.body.append(form); form.submit();
         }""")
     assert "read-only" in page.inner_text("main")
-    shot(page, "14-viewer-403")
+    shot(page, "25-viewer-403")
     from portal.keys.models import ApiKey
 
     assert not off_loop(lambda: ApiKey.objects.filter(name="sneaky").exists())
