@@ -64,6 +64,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "portal.core.context_processors.debug_banner",
+                "portal.core.context_processors.memberships",
             ],
         },
     },

@@ -12,7 +12,7 @@ from django.shortcuts import render
 from django.urls import reverse_lazy
 
 from portal.tenants.models import Membership
-from portal.tenants.selectors import membership_get, membership_list_for_user, tenant_get_by_slug
+from portal.tenants.selectors import membership_get, tenant_get_by_slug
 
 WRITE_ROLES = (Membership.Role.OWNER, Membership.Role.ADMIN, Membership.Role.MEMBER)
 LOGIN_URL = reverse_lazy("console:login")
@@ -47,19 +47,16 @@ def tenant_member(view):
         membership = membership_get(tenant=tenant, user=request.user) if tenant is not None else None
         if membership is None:
             # The same page whether the tenant exists or not.
-            return render(request, "console/not_found.html",
-                          {"memberships": membership_list_for_user(user=request.user)}, status=404)
+            return render(request, "console/not_found.html", {}, status=404)
         request.tenant = tenant
         request.membership = membership
         try:
             return view(request, *args, **kwargs)
         except Http404:
-            context = {"tenant": tenant, "membership": membership,
-                       "memberships": membership_list_for_user(user=request.user)}
+            context = {"tenant": tenant, "membership": membership}
             return render(request, "console/not_found.html", context, status=404)
         except ReadOnlyRole as error:
-            context = {"tenant": tenant, "membership": membership, "message": str(error),
-                       "memberships": membership_list_for_user(user=request.user)}
+            context = {"tenant": tenant, "membership": membership, "message": str(error)}
             return render(request, "console/forbidden.html", context, status=403)
 
     return wrapper

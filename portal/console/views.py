@@ -33,7 +33,6 @@ from portal.core.exceptions import InvalidInput
 from portal.keys.selectors import api_key_list
 from portal.keys.services import api_key_create, api_key_revoke
 from portal.tenants.plans import plan_for
-from portal.tenants.selectors import membership_list_for_user
 from portal.usage.billing import money, statement_for
 from portal.usage.selectors import latency_percentiles
 
@@ -57,7 +56,6 @@ def _render(request: HttpRequest, template: str, context: dict, *, status: int =
         "tenant": tenant,
         "membership": getattr(request, "membership", None),
         "can_write": can_write(request.membership) if tenant is not None else False,
-        "memberships": membership_list_for_user(user=request.user),
     }
     return render(request, template, {**base, **context}, status=status)
 

@@ -5,15 +5,11 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from portal.core.health import health_check_database, health_check_redis
-from portal.tenants.selectors import membership_list_for_user
 
 
 @require_GET
 def home(request: HttpRequest) -> HttpResponse:
-    memberships = (
-        membership_list_for_user(user=request.user) if request.user.is_authenticated else []
-    )
-    return render(request, "core/home.html", {"memberships": memberships})
+    return render(request, "core/home.html")  # the user's tenants: context_processors.memberships
 
 
 @never_cache

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from portal.adapters.validation import SMOLLM2_135M
+from portal.fleet.services import fleet_poll
 from tests.browser.conftest import log_in, make_user, new_page, off_loop, shot, wait_until
 from tests.portal.adapters.peft_files import peft_config, write_peft
 
@@ -229,7 +230,7 @@ def test_member_journey_key_upload_ready_playground_usage(live, worker, browser,
     staff = new_page(browser)
     try:
         log_in(staff, live, "sam")
-        off_loop(lambda: __import__("portal.fleet.services", fromlist=["fleet_poll"]).fleet_poll())
+        off_loop(fleet_poll)  # what beat does every 10 s: the page shows the worker as last polled
         for number, (name, path) in enumerate(DASHBOARDS, start=18):
             staff.goto(f"{live.url}/dashboards/{path}")
             staff.wait_for_load_state("networkidle")
@@ -238,6 +239,10 @@ def test_member_journey_key_upload_ready_playground_usage(live, worker, browser,
                 row = staff.locator("tbody tr", has_text=worker.url)
                 assert row.count() == 1 and "unhealthy" not in row.inner_text()
                 assert row.locator(".ok", has_text=re.compile(r"^healthy$")).count() == 1
+                # The adapter cache saw this journey's adapter requests (2 playground turns, 1 API call).
+                cache = re.search(r"of (\d+) adapter requests found the adapter in memory", staff.inner_text("#fleet-cache"))
+                assert cache and int(cache[1]) >= 3, staff.inner_text("#fleet-cache")
+                assert "% warm" in row.inner_text()
             shot(staff, f"{number}-dash-{name}")
         assert staff.js_errors == [] and staff.dialogs == []
     finally:
