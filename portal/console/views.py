@@ -30,6 +30,7 @@ from portal.console.forms import (
     add_service_error,
 )
 from portal.core.exceptions import InvalidInput
+from portal.fleet.selectors import base_model_name
 from portal.keys.selectors import api_key_list
 from portal.keys.services import api_key_create, api_key_revoke
 from portal.tenants.plans import plan_for
@@ -75,12 +76,16 @@ def tenant_picker(request: HttpRequest) -> HttpResponse:
 def overview(request: HttpRequest) -> HttpResponse:
     now = timezone.now()
     summary = selectors.month_overview(tenant=request.tenant, now=now)
+    adapters = adapter_selectors.adapter_list(tenant=request.tenant)
+    first_adapter = adapters.first()
     return _render(request, "console/overview.html", {
         "summary": summary,
         "spend": money(summary.spend),
         "plan": plan_for(request.tenant.plan),
-        "adapter_count": adapter_selectors.adapter_list(tenant=request.tenant).count(),
+        "adapter_count": adapters.count(),
         "key_count": api_key_list(tenant=request.tenant, usable_only=True).count(),
+        # For the getting-started snippet: a model id this tenant can call right now.
+        "example_model": first_adapter.public_id if first_adapter else (base_model_name() or "BASE-MODEL"),
     })
 
 

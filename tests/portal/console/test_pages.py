@@ -84,6 +84,19 @@ def test_overview_counts_the_month(mia, tenant):
     assert response.context["summary"].errors == 1
     assert response.context["summary"].total_tokens == 15
     assert response.context["summary"].budget_tokens == 2_000_000  # the free plan's
+    assert 'id="getting-started"' not in response.content.decode()  # it has been used
+
+
+def test_a_new_tenant_is_shown_how_to_start(mia, tenant, member):
+    html = mia.get(reverse("console:overview", args=[tenant.slug])).content.decode()
+    assert 'id="getting-started"' in html
+    assert "Create an API key" in html and "Create an adapter" in html
+    assert 'base_url="http://testserver/v1"' in html and 'href="/t/acme/playground/"' in html
+
+    api_key_create(tenant=tenant, name="ci", created_by=member)
+    adapter_create(tenant=tenant, name="bot", actor=member)
+    html = mia.get(reverse("console:overview", args=[tenant.slug])).content.decode()
+    assert "You have an API key." in html and 'model="acme/bot"' in html
 
 
 def test_user_strings_are_escaped(mia, tenant, member):
