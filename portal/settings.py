@@ -113,7 +113,9 @@ if CONFIG.redis_url:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [CONFIG.redis_url]},
+            # A receive blocks in BZPOPMIN for 5 s; redis-py >= 6 gives up on a read after 5 s
+            # by default, so on a busy loop the read timed out first and the consumer died.
+            "CONFIG": {"hosts": [{"address": CONFIG.redis_url, "socket_timeout": 30}]},
         },
     }
     CACHES = {

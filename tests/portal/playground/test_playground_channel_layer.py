@@ -43,3 +43,17 @@ async def test_a_failing_channel_layer_does_not_drop_the_socket(settings, django
     await comm.send_json_to({"type": "cancel"})  # nothing running: no answer, still open
     assert await comm.receive_nothing(timeout=0.2)
     await comm.disconnect()
+
+
+def test_the_redis_layer_reads_longer_than_it_blocks(settings):
+    """With REDIS_URL set (as the test command sets it) the layer is channels_redis; its blocking
+    receive (BZPOPMIN, brpop_timeout) must end before redis-py's socket read gives up."""
+    from channels.layers import get_channel_layer
+    from channels_redis.utils import create_pool
+
+    if not settings.REDIS_URL:
+        pytest.skip("REDIS_URL is unset: the in-memory layer has no socket")
+    layer = get_channel_layer()
+    [host] = layer.hosts
+    pool = create_pool(host)
+    assert pool.connection_kwargs["socket_timeout"] > layer.brpop_timeout
