@@ -1,6 +1,7 @@
 """ASGI entry point of the web process: `uvicorn portal.asgi:application`.
 
-HTTP: Django. Websockets (the playground): the session's user (AuthMiddlewareStack), only from
+HTTP: Django; /v1/ (the OpenAI-compatible gateway) through its own handler without the portal's
+middleware (portal.gateway.asgi). Websockets (the playground): the session's user (AuthMiddlewareStack), only from
 an Origin in ALLOWED_HOSTS (AllowedHostsOriginValidator), routed by portal.playground.routing.
 """
 
@@ -19,9 +20,10 @@ django_asgi_app = get_asgi_application()  # sets Django up before anything impor
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from portal.gateway.asgi import route_gateway  # noqa: E402
 from portal.playground.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter({
-    "http": django_asgi_app,
+    "http": route_gateway(django_asgi_app),
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

@@ -27,6 +27,7 @@ def _with_ids(response: HttpResponse, request: HttpRequest, request_id: str, hea
     for name, value in (headers or {}).items():
         response[name] = value
     response["x-request-id"] = request_id
+    response["X-Content-Type-Options"] = "nosniff"  # no SecurityMiddleware on /v1 (portal.gateway.asgi)
     client_id = request.headers.get("x-request-id") or request.headers.get("x-client-request-id")
     if client_id:
         # the client's own id is echoed apart: ours is the one the ledger knows
