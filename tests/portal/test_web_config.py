@@ -112,6 +112,31 @@ def test_debug_parses_strict_booleans(value, expected):
     assert WebConfig.from_env({"DEBUG": value}).debug is expected
 
 
+def test_a_postgres_connection_pool_only_when_asked_for():
+    assert "OPTIONS" not in WebConfig.from_env({"DATABASE_URL": POSTGRES_URL}).django_database()
+    pooled = WebConfig.from_env({"DATABASE_URL": POSTGRES_URL, "DATABASE_POOL_SIZE": "16"}).django_database()
+    assert pooled["OPTIONS"]["pool"] == {"min_size": 2, "max_size": 16, "timeout": 10}
+    assert pooled["CONN_MAX_AGE"] == 0  # Django refuses persistent connections with a pool
+    sqlite = WebConfig.from_env({"DATABASE_POOL_SIZE": "16"}).django_database()
+    assert "OPTIONS" not in sqlite  # SQLite has no pool: the size is ignored
+
+
+def test_the_web_process_turns_the_pool_on_unless_told_otherwise():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; os.environ.pop('DJANGO_SETTINGS_MODULE', None); import portal.asgi;"
+            "from django.conf import settings; print(settings.DATABASES['default'].get('OPTIONS', {}).get('pool'))")
+    env = {**os.environ, "DATABASE_URL": POSTGRES_URL}
+    env.pop("DATABASE_POOL_SIZE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=True)
+    assert "'max_size': 32" in out.stdout
+    env["DATABASE_POOL_SIZE"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=True)
+    assert out.stdout.strip() == "None"
+
+
 def test_other_settings_are_read():
     config = WebConfig.from_env(
         {"LOG_LEVEL": "debug", "INFERENCE_ADMIN_TOKEN": "t0ken", "MAX_UPLOAD_BYTES": "1_000_000"}
@@ -153,6 +178,8 @@ def test_other_settings_are_read():
         ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL", "unknown level 'LOUD'"),
         ({"MAX_UPLOAD_BYTES": "1GB"}, "MAX_UPLOAD_BYTES", "not an integer"),
         ({"MAX_UPLOAD_BYTES": "0"}, "MAX_UPLOAD_BYTES", "must be positive"),
+        ({"DATABASE_POOL_SIZE": "-1"}, "DATABASE_POOL_SIZE", "must be >= 0"),
+        ({"DATABASE_POOL_SIZE": "many"}, "DATABASE_POOL_SIZE", "not an integer"),
     ],
 )
 def test_malformed_values_raise_config_error_naming_the_variable(environ, variable, fragment):
