@@ -33,7 +33,6 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
@@ -42,6 +41,7 @@ from portal.adapters.deployments import deployment_resolve
 from portal.adapters.models import AdapterVersion
 from portal.adapters.selectors import adapter_list_servable
 from portal.adapters.staging import version_load_body
+from portal.core.db import db_sync_to_async
 from portal.fleet.selectors import base_model_name, route_candidates
 from portal.gateway import validation
 from portal.gateway.errors import (
@@ -113,7 +113,7 @@ async def api_key_from_authorization(authorization: str | None) -> ApiKey:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise invalid_api_key()
-    api_key = await database_sync_to_async(_authenticate)(token)
+    api_key = await db_sync_to_async(_authenticate)(token)
     if api_key is None:
         raise invalid_api_key()
     if not api_key.tenant.is_active:
@@ -134,14 +134,14 @@ _base_cache: dict[str, tuple[float, str]] = {}
 
 async def base_model() -> str | None:
     """The fleet's base model name: from the polled workers, else asked of a worker directly."""
-    name = await database_sync_to_async(base_model_name)()
+    name = await db_sync_to_async(base_model_name)()
     if name:
         return name
     cached = _base_cache.get("base")
     if cached and time.monotonic() - cached[0] < BASE_NAME_TTL:
         return cached[1]
     client = http_client()
-    for target in await database_sync_to_async(route_candidates)(lora_name=None):
+    for target in await db_sync_to_async(route_candidates)(lora_name=None):
         try:
             response = await client.get(f"{target.url.rstrip('/')}/v1/models", timeout=2.0)
             name = response.json()["data"][0]["id"]
@@ -179,7 +179,7 @@ async def model_resolve(*, caller: Caller, model: str, request_id: str = "") -> 
     the adapter's deployment (traffic split over versions, picked deterministically from the
     request id); `tenant/name@vN` pins a version."""
     if "/" in model:
-        resolved = await database_sync_to_async(deployment_resolve)(tenant=caller.tenant, model=model, request_id=request_id)
+        resolved = await db_sync_to_async(deployment_resolve)(tenant=caller.tenant, model=model, request_id=request_id)
         if resolved is None or not model_allowed(caller, resolved.public_id):
             raise model_not_found(model)
         return ModelTarget(resolved.public_id, resolved.version.worker_name, resolved.version)
@@ -208,7 +208,7 @@ def _models_list(caller: Caller, base: str | None) -> list[dict]:
 
 async def models_list(*, caller: Caller) -> list[dict]:
     """/v1/models for this caller: the base, then each servable adapter and its ready versions."""
-    return await database_sync_to_async(_models_list)(caller, await base_model())
+    return await db_sync_to_async(_models_list)(caller, await base_model())
 
 
 # -- the ledger -----------------------------------------------------------------------------
@@ -297,7 +297,7 @@ class Ledger:
             finished_at=timezone.now(),
         )
         try:
-            await database_sync_to_async(_write_usage, thread_sensitive=False)(fields)
+            await db_sync_to_async(_write_usage, thread_sensitive=False)(fields)
         except Exception:
             log.exception("usage_record_create failed for %s", self.request_id)
 
@@ -367,7 +367,7 @@ async def _open_upstream(endpoint: str, payload: dict, target: ModelTarget, ledg
     order: a connection failure or 5xx moves on; an unknown adapter is loaded, then retried once;
     any other 4xx is the client's and is relayed."""
     lora_name = target.version.worker_name if target.version is not None else None
-    candidates = await database_sync_to_async(route_candidates)(lora_name=lora_name)
+    candidates = await db_sync_to_async(route_candidates)(lora_name=lora_name)
     if not candidates:
         raise no_worker("no inference worker is configured")
     content = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
