@@ -64,7 +64,7 @@ def test_settings_without_services_embed_everything():
         "channel_hosts": None,
         "cache": "django.core.cache.backends.locmem.LocMemCache",
         "celery_eager": True,
-        "celery_broker": "memory://",
+        "celery_broker": "memory://localhost/",
     }
 
 
@@ -76,7 +76,7 @@ def test_settings_with_services_use_postgres_and_redis():
     ) == {
         "engine": "django.db.backends.postgresql",
         "channel_layer": "channels_redis.core.RedisChannelLayer",
-        "channel_hosts": [redis_url],
+        "channel_hosts": [{"address": redis_url, "socket_timeout": 30}],
         "cache": "django.core.cache.backends.redis.RedisCache",
         "celery_eager": False,
         "celery_broker": redis_url,
