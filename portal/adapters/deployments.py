@@ -99,36 +99,47 @@ def request_bucket(request_id: str, total: int) -> int:
 
 def deployment_pick_version(*, adapter: Adapter, request_id: str) -> AdapterVersion | None:
     """The version this request is served by (see the module docstring); None: nothing ready."""
-    ready = {v.number: v for v in adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True)
-             .select_related("adapter__tenant")}
+    ready = adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True) \
+        .select_related("adapter__tenant")
+    deployment = Deployment.objects.filter(adapter=adapter).only("weights").first()
+    return _pick(list(ready), deployment.weights if deployment else None, request_id)
+
+
+def _pick(ready_versions: list[AdapterVersion], weights: dict | None, request_id: str) -> AdapterVersion | None:
+    ready = {v.number: v for v in ready_versions}
     if not ready:
         return None
-    deployment = Deployment.objects.filter(adapter=adapter).only("weights").first()
-    weights = [(int(n), int(w)) for n, w in ((deployment.weights if deployment else None) or {}).items()]
-    weights = sorted((n, w) for n, w in weights if w > 0 and n in ready)
-    total = sum(w for _, w in weights)
+    pairs = sorted((int(n), int(w)) for n, w in (weights or {}).items())
+    pairs = [(n, w) for n, w in pairs if w > 0 and n in ready]
+    total = sum(w for _, w in pairs)
     if total <= 0:
         return ready[max(ready)]
     bucket = request_bucket(request_id, total)
-    for number, weight in weights:
+    for number, weight in pairs:
         if bucket < weight:
             return ready[number]
         bucket -= weight
-    return ready[weights[-1][0]]  # unreachable
+    return ready[pairs[-1][0]]  # unreachable
 
 
 def deployment_resolve(*, tenant: Tenant, model: str, request_id: str) -> ResolvedAdapter | None:
-    """`tenant/name@vN` -> that ready version; `tenant/name` -> deployment_pick_version; another
-    tenant's or an unknown adapter -> None (like a missing one)."""
+    """`tenant/name@vN` -> that ready version; `tenant/name` -> the deployment's pick (as
+    deployment_pick_version); another tenant's or an unknown adapter -> None (like a missing
+    one). One query on the request path: the ready versions with their adapter and deployment."""
     m = MODEL_ID.match(model)
     if m is None or m["tenant"] != tenant.slug:
         return None
     if m["number"]:
         return adapter_version_resolve(tenant=tenant, model=model)
-    adapter = Adapter.objects.select_related("tenant").filter(tenant=tenant, name=m["name"]).first()
-    if adapter is None:
+    ready = list(AdapterVersion.objects.select_related("adapter__tenant", "adapter__deployment").filter(
+        adapter__tenant=tenant, adapter__name=m["name"], status=AdapterVersion.Status.READY, retired_at__isnull=True))
+    if not ready:
         return None
-    version = deployment_pick_version(adapter=adapter, request_id=request_id)
+    try:
+        weights = ready[0].adapter.deployment.weights
+    except Deployment.DoesNotExist:
+        weights = None
+    version = _pick(ready, weights, request_id)
     return ResolvedAdapter(public_id=model, version=version) if version is not None else None
 
 

@@ -131,6 +131,18 @@ def test_resolve_pins_with_at_vn_and_picks_otherwise(tenant, adapter, user):
     assert deployments.deployment_resolve(tenant=other, model="acme/bot", request_id="r") is None
 
 
+def test_resolve_splits_like_pick_in_one_query(tenant, adapter, user, django_assert_num_queries):
+    deployments.deployment_set_weights(adapter=adapter, weights={3: 70, 4: 30}, actor=user)
+    for i in range(200):
+        rid = f"req-{i}"
+        expected = deployments.deployment_pick_version(adapter=adapter, request_id=rid)
+        with django_assert_num_queries(1):  # on every gateway request: versions + adapter + deployment
+            resolved = deployments.deployment_resolve(tenant=tenant, model="acme/bot", request_id=rid)
+        assert resolved.version == expected and resolved.version.adapter.tenant == tenant
+    deployments.deployment_set_weights(adapter=adapter, weights={}, actor=user)  # no weights: the newest
+    assert deployments.deployment_resolve(tenant=tenant, model="acme/bot", request_id="r").version.number == 4
+
+
 # --- always-warm ---------------------------------------------------------------------------------
 
 
