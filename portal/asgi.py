@@ -7,12 +7,11 @@ an Origin in ALLOWED_HOSTS (AllowedHostsOriginValidator), routed by portal.playg
 
 import os
 
-from portal.config import WEB_DATABASE_POOL_SIZE, load_config_or_exit
+from portal.config import load_config_or_exit, mark_web_process
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-# The web process pools its PostgreSQL connections (see WebConfig.database_pool_size); set
-# DATABASE_POOL_SIZE=0 to open one per request instead.
-os.environ.setdefault("DATABASE_POOL_SIZE", str(WEB_DATABASE_POOL_SIZE))
+# The web process pools its PostgreSQL connections (DATABASE_POOL_SIZE=0: one per request).
+mark_web_process()
 load_config_or_exit(os.environ)
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402 -- after the config check

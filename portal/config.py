@@ -51,6 +51,14 @@ class ConfigError(ValueError):
 # The web process's pool: connections are held only for each database step of a request (the
 # gateway closes them around every step), so this bounds concurrent steps, not streams.
 WEB_DATABASE_POOL_SIZE = 32
+_web_process = False
+
+
+def mark_web_process() -> None:
+    """Called by portal.asgi before settings load: DATABASE_POOL_SIZE then defaults to
+    WEB_DATABASE_POOL_SIZE. Celery's forked workers and manage.py commands keep no pool."""
+    global _web_process
+    _web_process = True
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,8 @@ class WebConfig:
                 for origin in _parse_list(env.get("CSRF_TRUSTED_ORIGINS"))
             ),
             database_url=_parse_database_url(env.get("DATABASE_URL")),
-            database_pool_size=_parse_non_negative_int("DATABASE_POOL_SIZE", env.get("DATABASE_POOL_SIZE"), default=0),
+            database_pool_size=_parse_non_negative_int(
+                "DATABASE_POOL_SIZE", env.get("DATABASE_POOL_SIZE"), default=WEB_DATABASE_POOL_SIZE if _web_process else 0),
             redis_url=_parse_redis_url(env.get("REDIS_URL")),
             inference_urls=_parse_inference_urls(env.get("INFERENCE_URLS")),
             inference_admin_token=env.get("INFERENCE_ADMIN_TOKEN"),
