@@ -13,6 +13,13 @@ from portal.config import (
 )
 
 POSTGRES_URL = "postgres://postgres@127.0.0.1:5432/loraplex"
+
+
+@pytest.fixture(autouse=True)
+def not_the_web_process(monkeypatch):
+    """Config as Celery and commands parse it; importing portal.asgi (other tests do, in this
+    process) marks the process as the web one, whose pool default the subprocess test covers."""
+    monkeypatch.setattr("portal.config._web_process", False)
 REDIS_URL = "redis://127.0.0.1:6379/15"
 PRODUCTION = {
     "PORTAL_ENV": "production",
