@@ -231,11 +231,19 @@ def test_member_journey_key_upload_ready_playground_usage(live, worker, browser,
     try:
         log_in(staff, live, "sam")
         off_loop(fleet_poll)  # what beat does every 10 s: the page shows the worker as last polled
+        json_requests: list[str] = []
+        staff.on("request", lambda r: json_requests.append(r.url) if ".json" in r.url else None)
         for number, (name, path) in enumerate(DASHBOARDS, start=18):
+            json_requests.clear()
             staff.goto(f"{live.url}/dashboards/{path}")
             staff.wait_for_load_state("networkidle")
             assert staff.locator("p.bad").count() == 0, name  # a chart that failed to load says so
+            charts = staff.locator("canvas[data-chart]").count()
+            assert charts >= 1 and staff.evaluate(
+                "[...document.querySelectorAll('canvas[data-chart]')].every(c => Chart.getChart(c))"), name
+            assert len(json_requests) == 1, (name, json_requests)  # the fleet page's 3 charts share one
             if name == "fleet":
+                assert charts == 3
                 row = staff.locator("tbody tr", has_text=worker.url)
                 assert row.count() == 1 and "unhealthy" not in row.inner_text()
                 assert row.locator(".ok", has_text=re.compile(r"^healthy$")).count() == 1

@@ -72,11 +72,20 @@
     }
   };
 
+  // One request per distinct URL: the fleet page's three charts read the same fleet.json.
+  var loads = {};
+  function load(src) {
+    if (!loads[src]) {
+      loads[src] = fetch(src, { credentials: "same-origin", headers: { Accept: "application/json" } })
+        .then(function (r) { if (!r.ok) throw new Error(r.status); return r.json(); });
+    }
+    return loads[src];
+  }
+
   document.querySelectorAll("canvas[data-chart]").forEach(function (canvas) {
     var build = builders[canvas.dataset.chart];
     if (!build) return;
-    fetch(canvas.dataset.src, { credentials: "same-origin", headers: { Accept: "application/json" } })
-      .then(function (r) { if (!r.ok) throw new Error(r.status); return r.json(); })
+    load(canvas.dataset.src)
       .then(function (data) { new Chart(canvas, build(data)); })
       .catch(function (e) {
         var p = document.createElement("p");
