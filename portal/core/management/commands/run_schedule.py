@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -35,10 +34,9 @@ class Schedule:
     runs one interval after start (the workers `make run` starts with it are still loading),
     a crontab entry at its next time."""
 
-    def __init__(self, app, *, now: Callable[[], datetime] | None = None) -> None:
+    def __init__(self, app) -> None:
         self.app = app
-        self.now = now or app.now
-        start = self.now()
+        start = app.now()
         self.entries = []
         for name, spec in sorted((app.conf.beat_schedule or {}).items()):
             schedule = maybe_schedule(spec["schedule"], app=app)
@@ -51,7 +49,7 @@ class Schedule:
         for entry in self.entries:
             due, next_in = entry.schedule.is_due(entry.last_run_at)
             if due:
-                entry.last_run_at = self.now()
+                entry.last_run_at = self.app.now()
                 self._run(entry)
                 due, next_in = entry.schedule.is_due(entry.last_run_at)
             wait.append(next_in)
@@ -59,7 +57,7 @@ class Schedule:
 
     def run_all(self) -> None:
         for entry in self.entries:
-            entry.last_run_at = self.now()
+            entry.last_run_at = self.app.now()
             self._run(entry)
 
     def _run(self, entry: Entry) -> None:
@@ -85,11 +83,9 @@ class Command(BaseCommand):
     help = "Run the periodic tasks (fleet poll, usage roll-ups, prewarm) in-process, for installs without Celery beat."
 
     def add_arguments(self, parser):
-        parser.add_argument("--now", action="store_true",
-                            help="run every entry once at start, then keep the schedule")
-        parser.add_argument("--once", action="store_true", help="run every entry once, then exit (implies --now)")
+        parser.add_argument("--once", action="store_true", help="run every entry once now, then exit")
 
-    def handle(self, *args, now: bool = False, once: bool = False, **options):
+    def handle(self, *args, once: bool = False, **options):
         from portal.celery import app
 
         # Celery's per-task "succeeded in" line every 10 s says nothing a failure log would not.
@@ -97,9 +93,8 @@ class Command(BaseCommand):
         schedule = Schedule(app)
         names = ", ".join(f"{e.name} ({e.task})" for e in schedule.entries) or "nothing"
         self.stdout.write(f"run_schedule: {names}")
-        if now or once:
+        if once:
             schedule.run_all()
-            if once:
-                return
+            return
         while True:
             time.sleep(min(schedule.tick(), 60.0))
