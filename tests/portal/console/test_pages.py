@@ -85,6 +85,7 @@ def test_overview_counts_the_month(mia, tenant):
     assert response.context["summary"].total_tokens == 15
     assert response.context["summary"].budget_tokens == 2_000_000  # the free plan's
     assert 'id="getting-started"' not in response.content.decode()  # it has been used
+    assert "15 of 2,000,000 tokens used" in response.content.decode()  # thousands grouped
 
 
 def test_a_new_tenant_is_shown_how_to_start(mia, tenant, member):
