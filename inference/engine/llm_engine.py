@@ -224,11 +224,14 @@ class LLMEngine:
         if (prompt is None) == (messages is None):
             raise ValueError("prompt: give exactly one of a prompt or chat messages")
         if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            # Special tokens only from the template: message text cannot forge a turn.
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            # A raw prompt (/v1/completions, LLM.generate) is the caller's whole prompt, written
+            # for the model: special-token text in it is parsed into special tokens, as vLLM does
+            # for completions prompts (chat formats typed by hand keep working).
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)

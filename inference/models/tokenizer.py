@@ -4,6 +4,7 @@
     ids = tok.encode("Hello")                     # no BOS unless add_special_tokens=True
     tok.decode(ids)                               # special tokens skipped by default
     tok.apply_chat_template([{"role": "user", "content": "Hi"}])   # prompt text, gen prompt added
+    tok.encode_chat([{"role": "user", "content": "Hi"}])           # prompt ids: what the engine runs
 
 From an HF directory the tokenizer is `tokenizer.json` as is, with the special-token names
 and chat template from tokenizer_config.json (and generation_config.json's extra EOS ids).
@@ -13,7 +14,9 @@ per token, the special ids and a pre-tokenizer name. `_byte_level_bpe_from_gguf`
 the byte-level BPE tokenizer from those the way transformers does when it reads a GGUF
 (tests compare the two on a varied corpus). Control tokens (type 3, e.g. `<|im_start|>`)
 become special added tokens: they encode as one id wherever they appear in the text and are
-skipped by `decode(..., skip_special_tokens=True)`.
+skipped by `decode(..., skip_special_tokens=True)`. So a chat is encoded with `encode_chat`,
+never `encode(apply_chat_template(...))`: special tokens must come only from the template, the
+messages' text is encoded as text (inference/models/chat_prompt.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from inference.models.chat_prompt import ChatPromptEncoder
 from inference.models.chat_template import ChatTemplate
 from inference.models.gguf_metadata import read_gguf_metadata
 
@@ -87,6 +91,9 @@ class Tokenizer:
         self.has_own_chat_template = chat_template is not None
         added = backend.get_added_tokens_decoder()  # {id: AddedToken}
         self.all_special_ids: set[int] = {i for i, t in added.items() if t.special}
+        self._chat_encoder = ChatPromptEncoder(
+            backend, self.chat_template, {i: t.content for i, t in added.items() if t.special}
+        )
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         stop = set(extra_stop_token_ids)
         if self.eos_token_id is not None:
@@ -106,7 +113,9 @@ class Tokenizer:
         return token_id
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`. Special-token text such as `<|im_start|>` encodes as its one id.
+        """Token ids of `text`. Special-token text such as `<|im_start|>` encodes as its one id:
+        right for a raw prompt the caller wrote for the model, wrong for chat messages (see
+        `encode_chat`).
         add_special_tokens: add what the checkpoint adds around a sequence (e.g. BOS)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
@@ -117,9 +126,17 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """The prompt text for chat `messages` (encode it with add_special_tokens=False: the
-        template already writes whatever BOS the model wants)."""
+        """The prompt text for chat `messages`, as HF renders it. To run it, use `encode_chat`:
+        encoding this text would read special-token text inside the messages as control tokens."""
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The prompt ids for chat `messages`: special tokens only where the template writes
+        them (no BOS added: the template writes whatever the model wants); every string of the
+        messages and tools encodes as plain text, so a message cannot forge a turn. Identical to
+        HF's apply_chat_template ids when no message holds special-token text."""
+        return self._chat_encoder.encode(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
