@@ -3,10 +3,14 @@
 Uploads are streamed to Django's default storage (local directory or S3 through
 django-storages), never held whole in memory:
 
-    adapters/<version uid hex>/adapter_config.json           two-file uploads land here directly
+    adapters/<version uid hex>/adapter_config.json           file uploads land here directly
     adapters/<version uid hex>/adapter_model.safetensors
     adapters/<version uid hex>/upload/<name>.zip|.tar.gz     archives wait here for validation,
                                                              which extracts the two files beside it
+
+Only those two files are ever stored: the model card, tokenizer and other harmless files that
+save_pretrained or the Trainer write beside them are accepted and dropped (adapter_files.py),
+pickles and unknown binaries refused, the same way for files and for an archive's contents.
 
 Validation runs as a Celery task enqueued on commit; the version goes uploaded -> validating
 -> ready (staged to the workers) or rejected (every reason stored, its files deleted). Retired
@@ -30,13 +34,11 @@ from django.db.models import Max
 from django.utils import timezone
 
 from portal.adapters import limits
+from portal.adapters.adapter_files import EXPECTED, SNIFF_BYTES, file_role
 from portal.adapters.archive import ArchiveError, archive_kind, extract_archive, find_adapter_root
 from portal.adapters.models import Adapter, AdapterVersion, AuditEvent, Deployment
 from portal.adapters.validation import (
     ADAPTER_FILES,
-    CONFIG_FILE,
-    PICKLE_SUFFIXES,
-    WEIGHTS_FILE,
     BaseShapes,
     content_sha256,
     validate_adapter_dir,
@@ -156,29 +158,53 @@ class _CappedFile(File):
         return True
 
 
-def _upload_plan(files: list) -> tuple[str, dict[str, Any]]:
-    """Check the shape of an upload: ("files", {stored name: file}) for the two PEFT files or
-    ("archive", {name: file}) for one .zip/.tar.gz. InvalidInput says what is expected."""
-    expected = f"upload the two PEFT files ({CONFIG_FILE} and {WEIGHTS_FILE}) or one .zip/.tar.gz of the directory"
+def _upload_plan(files: list) -> tuple[str, dict[str, Any], list[str]]:
+    """Check the shape of an upload -> (kind, {stored name: file}, ignored names):
+    ("files", the two PEFT files, the harmless companions beside them that are not stored) or
+    ("archive", {name: the one .zip/.tar.gz}, []). InvalidInput names every refused file and why,
+    then says what is expected; the same rules judge an archive's contents (adapter_files.py)."""
     if not files:
-        raise InvalidInput("files", f"the upload is empty: {expected}")
+        raise InvalidInput("files", f"the upload is empty: {EXPECTED}")
     names = [Path(str(getattr(f, "name", "") or "").replace("\\", "/")).name for f in files]
-    for name, f in zip(names, files, strict=True):
-        if not name:
-            raise InvalidInput("files", f"a file has no name: {expected}")
-        if Path(name).suffix.lower() in PICKLE_SUFFIXES:
-            raise InvalidInput(
-                "files",
-                f"{name} is a pickle file; pickles are never loaded. Save the adapter with "
-                f"save_pretrained(safe_serialization=True) and upload {WEIGHTS_FILE}",
-            )
-        if not f.size:
-            raise InvalidInput("files", f"{name} is empty (0 bytes)")
+    if not all(names):
+        raise InvalidInput("files", f"a file has no name: {EXPECTED}")
     if len(files) == 1 and archive_kind(names[0]):
-        return "archive", {names[0]: files[0]}
-    if sorted(names) == sorted(ADAPTER_FILES):
-        return "files", dict(zip(names, files, strict=True))
-    raise InvalidInput("files", f"got {', '.join(names)}: {expected}")
+        if not files[0].size:
+            raise InvalidInput("files", f"{names[0]} is empty (0 bytes)")
+        return "archive", {names[0]: files[0]}, []
+
+    adapter: dict[str, Any] = {}
+    ignored: list[str] = []
+    refusals: list[str] = []
+    for name, f in zip(names, files, strict=True):
+        if archive_kind(name):
+            refusals.append(f"{name} is an archive: send it on its own, or the directory's files without it")
+            continue
+        role = file_role(name, read_head=lambda f=f: _head(f))
+        if role.refused:
+            refusals.append(role.reason)
+        elif role.kind == "ignored":
+            ignored.append(name)
+        elif name in adapter:
+            refusals.append(f"{name} was sent twice")
+        elif not f.size:
+            refusals.append(f"{name} is empty (0 bytes)")
+        else:
+            adapter[name] = f
+    if refusals:
+        raise InvalidInput("files", f"{'; '.join(refusals)}. To add a version, {EXPECTED}")
+    missing = [n for n in ADAPTER_FILES if n not in adapter]
+    if missing:
+        raise InvalidInput("files", f"missing {' and '.join(missing)} (got {', '.join(names)}): {EXPECTED}")
+    return "files", adapter, sorted(ignored)
+
+
+def _head(f) -> bytes:
+    """The first bytes of an uploaded file, its position left at the start for the later copy."""
+    f.seek(0)
+    head = f.read(SNIFF_BYTES)
+    f.seek(0)
+    return head if isinstance(head, bytes) else head.encode()
 
 
 def adapter_version_upload(*, adapter: Adapter, files: list, actor: AbstractBaseUser | None) -> AdapterVersion:
@@ -187,7 +213,7 @@ def adapter_version_upload(*, adapter: Adapter, files: list, actor: AbstractBase
     `files`: Django UploadedFiles (or any File with name, size and chunks()). Checked before a
     byte is stored: the shape of the upload, settings.MAX_UPLOAD_BYTES (LimitExceeded, 413),
     the tenant's storage limit. The bytes actually read are capped again while streaming."""
-    kind, named = _upload_plan(files)
+    kind, named, ignored = _upload_plan(files)
     declared = sum(int(f.size) for f in named.values())
     limits.check_upload_size(size=declared)
     limits.check_storage(tenant=adapter.tenant, incoming=declared)
@@ -221,7 +247,7 @@ def adapter_version_upload(*, adapter: Adapter, files: list, actor: AbstractBase
                 actor=actor,
                 action="version.uploaded",
                 target=version.public_id,
-                details={"files": sorted(named), "size_bytes": counter[0]},
+                details={"files": sorted(named), "ignored": ignored, "size_bytes": counter[0]},
             )
             transaction.on_commit(lambda: _enqueue_validation(version.id))
     except BaseException:

@@ -4,7 +4,9 @@ The engine (inference/lora/validation.py) stops at the first problem; here every
 problem is collected as a human-readable reason, so a tenant fixes them all in one go. The
 checks mirror the engine's:
 
-    no pickle file anywhere (.bin/.pt/...: never opened), both PEFT files present
+    every file's role (adapter_files.py): no pickle anywhere (.bin/.pt/...: never opened), no
+        unknown binary; the model card, tokenizer and other text files beside the adapter are
+        ignored; both PEFT files present at the top
     adapter_config.json: a JSON object describing a plain LoRA (no DoRA, modules_to_save,
         bias, variants, PiSSA-style inits), r and rank_pattern within the fleet's max rank
     target_modules / layers_to_transform select projections of this base, and only those
@@ -33,10 +35,14 @@ from typing import Any
 
 import numpy as np
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+from portal.adapters.adapter_files import (
+    ADAPTER_FILES,
+    CONFIG_FILE,
+    SNIFF_BYTES,
+    WEIGHTS_FILE,
+    file_role,
+)
+
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound
 MAX_REASONS = 20
@@ -183,11 +189,8 @@ def validate_adapter_dir(path: Path, base: BaseShapes, max_lora_rank: int | None
             rel = full.relative_to(path).as_posix()
             if full.is_symlink():
                 reasons.add(f"{rel} is a symbolic link; links are not accepted")
-            elif Path(entry).suffix.lower() in PICKLE_SUFFIXES:
-                reasons.add(
-                    f"{rel} is a pickle file ({Path(entry).suffix}); pickles are never loaded, only "
-                    f"safetensors are accepted: save with save_pretrained(safe_serialization=True)"
-                )
+            elif full.is_file() and (role := file_role(rel, read_head=lambda f=full: _head(f))).refused:
+                reasons.add(role.reason)
     config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
     have_config = config_path.is_file() and not config_path.is_symlink()
     have_weights = weights_path.is_file() and not weights_path.is_symlink()
@@ -227,6 +230,11 @@ def validate_adapter_dir(path: Path, base: BaseShapes, max_lora_rank: int | None
     result.reasons = _capped(list(reasons))
     result.ok = not reasons
     return result
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(SNIFF_BYTES)
 
 
 def _capped(reasons: list[str]) -> list[str]:

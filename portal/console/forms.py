@@ -51,8 +51,13 @@ class MultipleFileField(forms.FileField):
 
 
 class UploadForm(forms.Form):
+    # Empty files reach the service, which names them (an empty README.md is harmless, an empty
+    # adapter file is not) exactly as the REST API does.
     files = MultipleFileField(
-        help_text="adapter_config.json + adapter_model.safetensors (PEFT), or one .zip / .tar.gz of them."
+        allow_empty_file=True,
+        help_text="The files PeftModel.save_pretrained wrote: adapter_config.json + adapter_model.safetensors "
+        "(a README.md model card, tokenizer and other text files beside them are accepted and ignored), "
+        "or one .zip / .tar.gz of that folder. Pickles (.bin, .pt) are refused.",
     )
 
 

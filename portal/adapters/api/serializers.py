@@ -76,7 +76,11 @@ class VersionUploadSerializer(serializers.Serializer):
 
     files = serializers.ListField(
         child=serializers.FileField(),
-        help_text="adapter_config.json and adapter_model.safetensors, or one .zip/.tar.gz of the adapter directory.",
+        help_text=(
+            "The files PeftModel.save_pretrained wrote (adapter_config.json and adapter_model.safetensors; a "
+            "README.md model card, tokenizer and other text files are accepted and ignored, pickles such as "
+            "training_args.bin refused), or one .zip/.tar.gz of the adapter directory."
+        ),
     )
 
 
