@@ -144,3 +144,98 @@ class EngineConfig:
                 message = str(exc).split(": ", 1)[1]
                 raise ConfigError(f"INFERENCE_{exc.variable.upper()}", message) from None
             raise
+
+
+# --- who may manage adapters, and where they may come from ------------------------------------
+
+ENVIRONMENTS = ("development", "production")
+MIN_ADMIN_TOKEN_CHARS = 32
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def url_origin(url: str) -> str:
+    """The origin of an http(s) URL as `scheme://host:port`: scheme and host lower-cased, the
+    default port written out (`HTTP://Portal.internal/x/` → `http://portal.internal:80`).
+
+    Parsed by httpx, the library that fetches the URL, so the origin checked is the origin
+    fetched. ValueError for another scheme, no host, a bad port, or credentials in the URL
+    (`user:pass@host`: a fetch authenticates with its Bearer token, never with userinfo)."""
+    import httpx  # here: the engine imports this module and never needs httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ValueError(f"not a valid URL ({exc})") from None
+    scheme = parsed.scheme.lower()
+    if scheme not in _DEFAULT_PORTS:
+        raise ValueError("only http:// and https:// URLs")
+    if not parsed.host:
+        raise ValueError("no host")
+    if parsed.userinfo:
+        raise ValueError("credentials (user:password@) are not allowed in the URL")
+    port = _DEFAULT_PORTS[scheme] if parsed.port is None else parsed.port
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is out of range")
+    host = parsed.host.lower()
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def parse_origins(variable: str, value: str) -> tuple[str, ...]:
+    """`"http://portal:8000, https://Portal.example"` → normalized origins (see url_origin);
+    an origin is scheme://host[:port] and nothing else (a trailing '/' is tolerated)."""
+    origins: list[str] = []
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        scheme, sep, rest = item.partition("://")
+        rest = rest[:-1] if rest.endswith("/") else rest
+        if not sep or not rest or any(c in rest for c in "/?#@\\") or any(c.isspace() for c in item):
+            raise ConfigError(variable, f"expected origins like 'http://portal:8000' (scheme://host[:port], "
+                                        f"comma-separated), got {item!r}")
+        try:
+            origin = url_origin(f"{scheme}://{rest}/")
+        except ValueError as exc:
+            raise ConfigError(variable, f"{item!r}: {exc}") from None
+        if origin not in origins:
+            origins.append(origin)
+    return tuple(origins)
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    """The worker's adapter-management security (environment INFERENCE_*; flags on top):
+
+    INFERENCE_ENV            development (default) | production: production refuses to start
+                             without an admin token of at least MIN_ADMIN_TOKEN_CHARS characters
+    INFERENCE_ADMIN_TOKEN    (--admin-token) the Bearer token the adapter routes require; unset: open
+    INFERENCE_PORTAL_ORIGINS (--portal-origins) comma-separated origins a `lora_url` may point at;
+                             unset: no adapter is fetched by URL (local `lora_path` loads still work)
+    """
+
+    environment: str = "development"
+    admin_token: str | None = None
+    portal_origins: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, admin_token: str | None = None,
+                 portal_origins: str | None = None) -> AccessConfig:
+        """Flags (`admin_token`, `portal_origins`) win over their variables when not None."""
+        env = os.environ if environ is None else environ
+        environment = (env.get("INFERENCE_ENV") or "development").strip().lower()
+        if environment not in ENVIRONMENTS:
+            raise ConfigError("INFERENCE_ENV", f"expected one of {', '.join(ENVIRONMENTS)}, "
+                                               f"got {env.get('INFERENCE_ENV')!r}")
+        token_var = "--admin-token" if admin_token is not None else "INFERENCE_ADMIN_TOKEN"
+        token = (admin_token if admin_token is not None else env.get("INFERENCE_ADMIN_TOKEN") or "").strip()
+        if environment == "production":
+            if not token:
+                raise ConfigError("INFERENCE_ADMIN_TOKEN", "INFERENCE_ENV=production needs an admin token for the "
+                                  "adapter routes (set INFERENCE_ADMIN_TOKEN or --admin-token, at least "
+                                  f"{MIN_ADMIN_TOKEN_CHARS} random characters)")
+            if len(token) < MIN_ADMIN_TOKEN_CHARS:
+                raise ConfigError(token_var, f"INFERENCE_ENV=production needs at least {MIN_ADMIN_TOKEN_CHARS} "
+                                             f"characters, got {len(token)}")
+        origins_var = "--portal-origins" if portal_origins is not None else "INFERENCE_PORTAL_ORIGINS"
+        origins_text = portal_origins if portal_origins is not None else env.get("INFERENCE_PORTAL_ORIGINS", "")
+        return cls(environment=environment, admin_token=token or None,
+                   portal_origins=parse_origins(origins_var, origins_text))

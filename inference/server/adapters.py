@@ -6,7 +6,8 @@ to fetch it from (`lora_url` + `files` {filename: sha256}, optional `auth_token`
 URL as a Bearer token): the worker downloads both PEFT files into its adapter cache, checks
 their sha256 and size (inference/server/fetch.py), then loads the directory as a path.
 Fetch errors are 400s with the reason (codes adapter_fetch_failed, adapter_checksum_mismatch,
-adapter_too_large).
+adapter_too_large); a `lora_url` outside the configured portal origins (INFERENCE_PORTAL_ORIGINS,
+none by default) is a 400 adapter_source_forbidden and nothing is requested from it.
 
 Loading validates and reads the adapter on the engine's loader, never on the event loop
 (`add_adapter(wait=False)` hands back a future). A bad adapter is a 400 with the validation
@@ -92,6 +93,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> d
             raise APIError(400, "files: lora_url needs files {filename: sha256}", param="files")
         try:
             path = str(await fetch_adapter(lora_name=body.lora_name, lora_url=body.lora_url, files=body.files,
+                                           allowed_origins=request.app.state.portal_origins,
                                            auth_token=body.auth_token, settings=_fetch_settings(request)))
         except FetchError as exc:
             raise APIError(400, f"adapter '{body.lora_name}': {exc.message}", param=exc.param,
@@ -107,7 +109,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> d
 
 
 def _fetch_settings(request: Request) -> FetchSettings:
-    """From the environment, once per app (tests may set app.state.fetch_settings)."""
+    """The app's (read at start-up by the CLI), else from the environment once per app."""
     settings = getattr(request.app.state, "fetch_settings", None)
     if settings is None:
         try:

@@ -14,12 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from inference.config import EngineConfig
+from inference.config import AccessConfig, EngineConfig
 from inference.server import errors
 from inference.server.adapters import router as adapter_router
 from inference.server.async_engine import AsyncEngine
 from inference.server.chat import create_chat_completion
 from inference.server.completions import create_completion
+from inference.server.fetch import FetchSettings
 from inference.server.metrics import ServerMetrics
 from inference.server.protocol import ChatCompletionRequest, CompletionRequest
 from inference.server.serving import Serving
@@ -33,7 +34,9 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)  # empty: the model's own name
     lora_modules: dict[str, str] = field(default_factory=dict)  # registered at start-up
     max_waiting_requests: int = 256
-    admin_token: str | None = None
+    # The admin token and the portal origins adapters may be fetched from (default: open routes, no fetch).
+    access: AccessConfig = field(default_factory=AccessConfig)
+    fetch: FetchSettings | None = None  # None: read from the environment at the first fetch
 
 
 def _load_engine(settings: ServerSettings, served_names: list[str]) -> Callable[[], object]:
@@ -75,7 +78,9 @@ def create_app(settings: ServerSettings, on_engine_dead: Callable[[BaseException
 
     app = FastAPI(title="loraplex inference worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = serving
-    app.state.admin_token = settings.admin_token
+    app.state.admin_token = settings.access.admin_token
+    app.state.portal_origins = settings.access.portal_origins
+    app.state.fetch_settings = settings.fetch
     app.state.metrics = metrics
     errors.install(app)
     app.include_router(adapter_router)

@@ -1,7 +1,8 @@
 """`python -m inference serve`: flags (vLLM's names), the engine config, and uvicorn.
 
-Flags override INFERENCE_* variables (EngineConfig.from_env). A bad flag or value prints one
-line and exits 2 before anything loads; the HTTP server binds first and the model loads
+Flags override INFERENCE_* variables (EngineConfig.from_env, AccessConfig.from_env). A bad flag
+or value prints one line and exits 2 before anything loads (so does INFERENCE_ENV=production
+without an admin token of at least 32 characters); the HTTP server binds first and the model loads
 behind it (progress on stderr), so /health answers at once and /ready turns 200 when loaded.
 If the model fails to load the process exits 1.
 """
@@ -13,7 +14,7 @@ import logging
 import os
 import sys
 
-from inference.config import ConfigError, EngineConfig
+from inference.config import AccessConfig, ConfigError, EngineConfig
 
 DEFAULT_PORT = 8001
 
@@ -38,8 +39,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="adapters to register at start-up")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests that may wait beyond the running batch; more get 503 + Retry-After")
-    p.add_argument("--admin-token", default=os.environ.get("INFERENCE_ADMIN_TOKEN") or None,
-                   help="shared secret for the adapter routes (env INFERENCE_ADMIN_TOKEN); unset: open")
+    p.add_argument("--admin-token",
+                   help="shared secret for the adapter routes (env INFERENCE_ADMIN_TOKEN); unset: open "
+                        "(refused when INFERENCE_ENV=production)")
+    p.add_argument("--portal-origins", metavar="ORIGINS",
+                   help="comma-separated origins (scheme://host[:port]) a load's lora_url may point at "
+                        "(env INFERENCE_PORTAL_ORIGINS); unset: nothing is fetched by URL")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -92,20 +97,32 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from inference.server.app import ServerSettings, create_app
+    from inference.server.fetch import FetchSettings
 
     if not 0 < args.port < 65536:
         raise ConfigError("--port", f"must be in 1..65535, got {args.port}")
     if args.max_waiting_requests < 0:
         raise ConfigError("--max-waiting-requests", f"must be >= 0, got {args.max_waiting_requests}")
+    access = AccessConfig.from_env(admin_token=args.admin_token, portal_origins=args.portal_origins)
+    try:
+        fetch = FetchSettings.from_env()
+    except ValueError as exc:  # "INFERENCE_ADAPTER_MAX_BYTES: reason"
+        variable, _, reason = str(exc).partition(": ")
+        raise ConfigError(variable, reason) from None
     settings = ServerSettings(
         config=engine_config(args),
         served_model_names=args.served_model_name or [],
         lora_modules=_lora_modules(args.lora_modules),
         max_waiting_requests=args.max_waiting_requests,
-        admin_token=args.admin_token,
+        access=access,
+        fetch=fetch,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
+    if access.admin_token is None:
+        logging.getLogger("inference.server").warning(
+            "no admin token: anyone who reaches this port may load and unload adapters "
+            "(set INFERENCE_ADMIN_TOKEN; INFERENCE_ENV=production requires it)")
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

@@ -89,7 +89,9 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         others = sorted({p for e in errors[1:] if (p := _loc_to_param(tuple(e.get("loc", ())))) and p != param})
         if others:
             message += f" (also invalid: {', '.join(others)})"
-    return APIError(400, message, param=param)
+    # OpenAI's code for a parameter the model does not take (protocol.UNSUPPORTED_*_FIELDS).
+    code = "unsupported_parameter" if first.get("type") == "unsupported_parameter" else None
+    return APIError(400, message, param=param, code=code)
 
 
 def install(app: FastAPI) -> None:

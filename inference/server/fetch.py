@@ -10,11 +10,17 @@ and only then renamed over its final name (os.replace: atomic; a reader never se
 file, two concurrent fetches of one adapter both write verified bytes). Files already in the
 cache with the right sha256 are not fetched again (the name is an immutable version id).
 
+Only the configured portal origins are fetched from (INFERENCE_PORTAL_ORIGINS or
+--portal-origins; inference/config.py AccessConfig): a `lora_url` on any other scheme, host or
+port, or carrying user:password@, is a 400 adapter_source_forbidden before anything is
+requested, so the adapter routes cannot be used to reach arbitrary hosts or to plant arbitrary
+files. With no origin configured nothing is fetched by URL (a local `lora_path` still loads).
+
 The auth token travels in the request body (never logged, never stored) so the worker needs
 no extra configuration to read from the portal; redirects are not followed, so it is only
-ever sent to `lora_url` itself.
+ever sent to `lora_url` itself (and thus to a portal origin).
 
-Settings (environment, read once per call; safe defaults):
+Settings (environment, read at start-up by `inference serve`: a bad value is a config error; safe defaults):
     INFERENCE_ADAPTER_CACHE_DIR        where fetched adapters live (default var/adapter-cache)
     INFERENCE_ADAPTER_MAX_BYTES        the largest adapter_model.safetensors accepted (default 1 GiB)
     INFERENCE_ADAPTER_FETCH_TIMEOUT    seconds a whole fetch may take (default 300)
@@ -27,11 +33,14 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+
+from inference.config import url_origin
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -47,7 +56,8 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 class FetchError(Exception):
     """The adapter could not be fetched; `param` names the request field, `code` the kind:
     adapter_fetch_failed (HTTP/network: may be transient), adapter_checksum_mismatch,
-    adapter_too_large, or None for a malformed request."""
+    adapter_too_large, adapter_source_forbidden (lora_url is not on a configured portal
+    origin), or None for a malformed request."""
 
     def __init__(self, message: str, *, param: str, code: str | None = None):
         super().__init__(message)
@@ -84,7 +94,24 @@ def _positive(env, key: str, default, kind):
     return value
 
 
-def check_request(*, lora_name: str, lora_url: str, files: dict) -> dict[str, str]:
+def check_source(lora_url: str, allowed_origins: Collection[str]) -> None:
+    """FetchError (adapter_source_forbidden) unless lora_url is on one of the allowed origins
+    (normalized as inference.config.url_origin does: exact scheme, host and port)."""
+    hint = "INFERENCE_PORTAL_ORIGINS (or --portal-origins)"
+    if not allowed_origins:
+        raise FetchError(f"lora_url: this worker fetches adapters only from its portal origins and none is "
+                         f"configured: set {hint} to the portal's origin, e.g. http://portal:8000",
+                         param="lora_url", code="adapter_source_forbidden")
+    try:
+        origin = url_origin(lora_url)
+    except ValueError as exc:
+        raise FetchError(f"lora_url: {exc}", param="lora_url", code="adapter_source_forbidden") from None
+    if origin not in allowed_origins:
+        raise FetchError(f"lora_url: {origin} is not one of this worker's portal origins: add it to {hint} "
+                         "if adapters should be fetched from it", param="lora_url", code="adapter_source_forbidden")
+
+
+def check_request(*, lora_name: str, lora_url: str, files: dict, allowed_origins: Collection[str]) -> dict[str, str]:
     """The request's fields as the fetch needs them, or FetchError naming the bad one."""
     if not _SAFE_NAME.match(lora_name) or lora_name in (".", ".."):
         raise FetchError(
@@ -93,6 +120,7 @@ def check_request(*, lora_name: str, lora_url: str, files: dict) -> dict[str, st
     parts = urlsplit(lora_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise FetchError(f"lora_url: not an http(s) URL: {_safe_url(lora_url)!r}", param="lora_url")
+    check_source(lora_url, allowed_origins)
     if not isinstance(files, dict) or set(files) != set(PEFT_FILES):
         got = sorted(files) if isinstance(files, dict) else type(files).__name__
         raise FetchError(f"files: expected exactly {list(PEFT_FILES)} with their sha256, got {got}", param="files")
@@ -104,12 +132,13 @@ def check_request(*, lora_name: str, lora_url: str, files: dict) -> dict[str, st
     return out
 
 
-async def fetch_adapter(*, lora_name: str, lora_url: str, files: dict, auth_token: str | None = None,
-                        settings: FetchSettings | None = None,
+async def fetch_adapter(*, lora_name: str, lora_url: str, files: dict, allowed_origins: Collection[str],
+                        auth_token: str | None = None, settings: FetchSettings | None = None,
                         transport: httpx.AsyncBaseTransport | None = None) -> Path:
-    """Fetch the adapter's files into the cache; returns its directory. Raises FetchError."""
+    """Fetch the adapter's files into the cache; returns its directory. Raises FetchError
+    (before any request or cache write when lora_url is not on one of `allowed_origins`)."""
     settings = settings or FetchSettings.from_env()
-    expected = check_request(lora_name=lora_name, lora_url=lora_url, files=files)
+    expected = check_request(lora_name=lora_name, lora_url=lora_url, files=files, allowed_origins=allowed_origins)
     target = settings.cache_dir / lora_name
     await asyncio.to_thread(target.mkdir, parents=True, exist_ok=True)
     missing = [name for name in PEFT_FILES if not await asyncio.to_thread(_has, target / name, expected[name])]

@@ -2,7 +2,10 @@
 
 Strict mode: "0.5" is not a number and `true` is not 1, as in OpenAI's API, so a wrong type is a
 400 naming the parameter rather than a silent coercion. Unknown fields are ignored (clients send
-many optional OpenAI fields we have no use for). Engine-side limits (context length, token ids,
+many optional OpenAI fields we have no use for, like `store` or `metadata`), except the OpenAI
+parameters that would change what comes back and that the worker does not implement yet
+(UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS): asking for one is a 400 naming it, code
+`unsupported_parameter`, never a plain-text 200. Engine-side limits (context length, token ids,
 chat roles) are checked by the engine when the request is added.
 
 Extra fields, documented for the gateway: `tenant` (who pays for the tokens; the fair scheduler
@@ -13,14 +16,53 @@ are accepted too.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from inference.engine.sampling_params import MAX_LOGPROBS
 
 # A request may ask for at most this many choices (n × prompts): each is an engine request.
 MAX_CHOICES = 128
+
+# OpenAI parameters not implemented yet (tools and structured output come with the structured-output
+# issue; the others need modalities or logit processing the engine lacks). Each is refused with a 400
+# naming it rather than silently ignored, unless its value asks for nothing (HARMLESS_VALUES).
+# The gateway relays this 400 as it is (portal/ cannot import inference/; one list for both sides
+# belongs in the shared protocol package the structure issue creates).
+UNSUPPORTED_CHAT_FIELDS = (
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+    "logit_bias", "audio", "modalities", "prediction", "web_search_options",
+)
+# OpenAI's legacy completions has logit_bias; response_format is vLLM's extension there.
+UNSUPPORTED_COMPLETION_FIELDS = ("logit_bias", "response_format")
+# Values that ask for nothing special, besides null: no tools, no forced call, plain text, no bias,
+# the default of parallel_tool_calls. Compared with their JSON type (1 is not true).
+HARMLESS_VALUES: dict[str, tuple] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
+    "modalities": (["text"],),
+}
+
+
+def is_harmless(field: str, value: Any) -> bool:
+    """Whether `value` for the unsupported parameter `field` asks for nothing we would ignore."""
+    return value is None or any(type(value) is type(h) and value == h for h in HARMLESS_VALUES.get(field, ()))
+
+
+def _refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
+    if not is_harmless(info.field_name, value):
+        raise PydanticCustomError(
+            "unsupported_parameter",
+            "not supported yet by this server; leave it out (or send null) and the request is served as plain text",
+        )
+    return value
 
 
 class _Body(BaseModel):
@@ -80,6 +122,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # UNSUPPORTED_CHAT_FIELDS: any JSON value; only harmless ones pass.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    _unsupported = field_validator(*UNSUPPORTED_CHAT_FIELDS)(_refuse_unsupported)
 
 
 class CompletionRequest(_Sampling):
@@ -88,6 +144,11 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    # UNSUPPORTED_COMPLETION_FIELDS
+    logit_bias: Any = None
+    response_format: Any = None
+
+    _unsupported = field_validator(*UNSUPPORTED_COMPLETION_FIELDS)(_refuse_unsupported)
 
 
 class LoadAdapterRequest(_Body):

@@ -49,14 +49,23 @@ def pytest_collection_modifyitems(config, items):
 def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
     from django.conf import settings
 
-    settings.DATABASES["default"].setdefault("TEST", {})["NAME"] = "test_loraplex_browser"
+    database = settings.DATABASES["default"]
+    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_browser"
 
 
 @pytest.fixture(scope="session")
-def worker(tmp_path_factory):
+def portal_port() -> int:
+    """The live portal's port, chosen up front: the worker fetches uploaded adapters from it."""
+    from tests.portal.gateway.conftest import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory, portal_port):
     from tests.portal.gateway.conftest import start_worker
 
-    proc = start_worker(tmp_path_factory, "browser")
+    proc = start_worker(tmp_path_factory, "browser", portal_url=f"http://127.0.0.1:{portal_port}")
     yield proc
     proc.stop()
 
@@ -67,7 +76,7 @@ class LivePortal:
 
 
 @pytest.fixture(scope="session")
-def portal_server(django_db_setup, django_db_blocker) -> LivePortal:
+def portal_server(django_db_setup, django_db_blocker, portal_port) -> LivePortal:
     import uvicorn
     from django.conf import settings
 
@@ -75,9 +84,8 @@ def portal_server(django_db_setup, django_db_blocker) -> LivePortal:
     settings.WHITENOISE_USE_FINDERS = True  # static files straight from static/ (no collectstatic)
     settings.WHITENOISE_AUTOREFRESH = True
     from portal.asgi import application
-    from tests.portal.gateway.conftest import free_port
 
-    port = free_port()
+    port = portal_port
     server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, lifespan="off",
                                            log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, name="browser-uvicorn", daemon=True)

@@ -1,79 +1,27 @@
 """Loading an adapter by URL: the worker streams the two PEFT files from a real loopback HTTP
 server into its adapter cache, checks sha256 and size, then loads the directory; every failure
-is a 400 in OpenAI's shape with the reason, and leaves no partial file and no registered adapter."""
+is a 400 in OpenAI's shape with the reason, and leaves no partial file and no registered adapter.
+Only the configured portal origins are fetched from: any other URL is refused before a request."""
 
 from __future__ import annotations
 
 import hashlib
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from inference.config import ConfigError, parse_origins, url_origin
 from inference.server.fetch import FetchError, FetchSettings, check_request
 from tests.inference.server.conftest import ADMIN_TOKEN, TINY, TINY_ENGINE
+from tests.inference.server.file_server import FILE_TOKEN, PEFT, FileServer
 from tests.inference.server.server_process import start_server
 from tests.inference.server.tiny_lora import word_prompt
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-FILE_TOKEN = "portal-file-secret"
 MAX_BYTES = 400_000
-PEFT = ("adapter_config.json", "adapter_model.safetensors")
-
-
-class FileServer:
-    """Serves {path: bytes} on 127.0.0.1; needs `Bearer FILE_TOKEN` under /private/; records requests."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, bytes] = {}
-        self.requests: list[tuple[str, str | None]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 -- http.server's name
-                outer.requests.append((self.path, self.headers.get("authorization")))
-                if self.path.startswith("/private/") and self.headers.get("authorization") != f"Bearer {FILE_TOKEN}":
-                    self.send_response(403)
-                    self.end_headers()
-                    return
-                if self.path.startswith("/redirect/"):
-                    self.send_response(302)
-                    self.send_header("location", "/public/" + self.path.split("/", 2)[2])
-                    self.end_headers()
-                    return
-                data = outer.files.get(self.path)
-                if data is None:
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                self.send_response(200)
-                if not self.path.startswith("/chunked/"):
-                    self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def publish(self, prefix: str, directory: Path) -> dict[str, str]:
-        """Serve the adapter's two files under /<prefix>/; returns {filename: sha256}."""
-        digests = {}
-        for name in PEFT:
-            data = (directory / name).read_bytes()
-            self.files[f"/{prefix}/{name}"] = data
-            digests[name] = hashlib.sha256(data).hexdigest()
-        return digests
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+NOBODY = "http://127.0.0.1:9"  # a listed origin where nothing listens
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +37,17 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_lora, cache_dir, tmp_path_factory):
-    """The tiny model with its own adapter cache directory and a small size cap."""
+def foreign():
+    """Another file server, on an origin the worker is not told about."""
+    server = FileServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_lora, files, cache_dir, tmp_path_factory):
+    """The tiny model with its own adapter cache directory and a small size cap, fetching from
+    the `files` server's origin (and NOBODY's)."""
     base, _ = tiny_lora
     flags = []
     for name, value in TINY_ENGINE.items():
@@ -99,7 +56,7 @@ def worker(tiny_lora, cache_dir, tmp_path_factory):
         ["--model", str(base), "--served-model-name", TINY, *flags],
         tmp_path_factory.mktemp("server") / "fetch.log",
         env={"INFERENCE_ADMIN_TOKEN": ADMIN_TOKEN, "INFERENCE_ADAPTER_CACHE_DIR": str(cache_dir),
-             "INFERENCE_ADAPTER_MAX_BYTES": str(MAX_BYTES)},
+             "INFERENCE_ADAPTER_MAX_BYTES": str(MAX_BYTES), "INFERENCE_PORTAL_ORIGINS": f"{files.url},{NOBODY}"},
     )
     yield proc
     proc.stop()
@@ -193,7 +150,7 @@ def test_http_errors_are_400_with_the_status(worker, files, tiny_lora, cache_dir
     _bad(worker, sdk, cache_dir, "lora-redirect", {"lora_url": f"{files.url}/redirect/v-ad4/", "files": digests},
          needle="HTTP 302", **common)
     # nobody listening
-    _bad(worker, sdk, cache_dir, "lora-refused", {"lora_url": "http://127.0.0.1:9/x/", "files": digests},
+    _bad(worker, sdk, cache_dir, "lora-refused", {"lora_url": f"{NOBODY}/x/", "files": digests},
          needle="ConnectError", **common)
 
 
@@ -262,7 +219,76 @@ def test_fetch_settings_and_checks_without_a_server(tmp_path):
         with pytest.raises(ValueError, match="INFERENCE_ADAPTER_MAX_BYTES"):
             FetchSettings.from_env({"INFERENCE_ADAPTER_MAX_BYTES": bad})
     digests = {n: "A" * 64 for n in PEFT}
-    assert check_request(lora_name="lora-x", lora_url="https://h/x/", files=digests) == {n: "a" * 64 for n in PEFT}
+    origins = ("https://h:443",)
+    assert check_request(lora_name="lora-x", lora_url="https://h/x/", files=digests,
+                         allowed_origins=origins) == {n: "a" * 64 for n in PEFT}
     for name in (".", "..", "", ".hidden", "x" * 201):
         with pytest.raises(FetchError):
-            check_request(lora_name=name, lora_url="https://h/x/", files=digests)
+            check_request(lora_name=name, lora_url="https://h/x/", files=digests, allowed_origins=origins)
+
+
+def test_lora_url_outside_the_portal_origins_is_refused_before_any_request(worker, files, foreign, tiny_lora,
+                                                                             cache_dir, sdk):
+    _, adapters = tiny_lora
+    digests = foreign.publish("public/v-ad6", adapters["ad6"])
+    assert files.publish("public/v-ad6", adapters["ad6"]) == digests
+    port = files.url.rsplit(":", 1)[1]
+    not_listed = "is not one of this worker's portal origins: add it to INFERENCE_PORTAL_ORIGINS"
+    for i, (url, needle) in enumerate([
+        (f"{foreign.url}/public/v-ad6/", not_listed),  # same host, another port
+        (f"http://localhost:{port}/public/v-ad6/", not_listed),  # the same server under another host name
+        (f"https://127.0.0.1:{port}/public/v-ad6/", not_listed),  # another scheme
+        (f"http://user:pw@127.0.0.1:{port}/public/v-ad6/", "credentials"),
+        (f"http://127.0.0.1:{port}@{foreign.url[7:]}/public/v-ad6/", "credentials"),
+    ]):
+        _bad(worker, sdk, cache_dir, f"lora-forbidden-{i}", {"lora_url": url, "files": digests},
+             param="lora_url", code="adapter_source_forbidden", needle=needle)
+        assert not (cache_dir / f"lora-forbidden-{i}").exists()
+    assert foreign.requests == []
+    assert [p for p, _ in files.requests if p.startswith("/public/v-ad6/")] == []
+
+    # The listed origin, however it is spelled, is fetched from.
+    r = _load(worker, {"lora_name": "lora-listed-ad6", "lora_url": f"HTTP://127.0.0.1:{port}/public/v-ad6/",
+                       "files": digests})
+    assert r.status_code == 200, r.text
+    assert sorted(p for p, _ in files.requests if p.startswith("/public/v-ad6/")) == [
+        f"/public/v-ad6/{n}" for n in PEFT]
+    assert foreign.requests == []
+
+
+def test_without_portal_origins_nothing_is_fetched_by_url(lora_server, tiny_lora, foreign):
+    """lora_server has an admin token and no INFERENCE_PORTAL_ORIGINS: loads by URL are refused,
+    loads by local path still work."""
+    _, adapters = tiny_lora
+    before = len(foreign.requests)
+    digests = foreign.publish("public/v-ad7", adapters["ad7"])
+    r = _load(lora_server, {"lora_name": "lora-no-origins", "lora_url": f"{foreign.url}/public/v-ad7/",
+                            "files": digests})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "lora_url" and error["code"] == "adapter_source_forbidden", error
+    assert "none is configured: set INFERENCE_PORTAL_ORIGINS" in error["message"]
+    assert len(foreign.requests) == before
+    r = _load(lora_server, {"lora_name": "lora-by-path-ad7", "lora_path": str(adapters["ad7"])})
+    assert r.status_code == 200, r.text
+    names = [a["name"] for a in httpx.get(f"{lora_server.url}/v1/adapters", headers=AUTH).json()["data"]]
+    assert "lora-by-path-ad7" in names and "lora-no-origins" not in names
+    httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "lora-by-path-ad7"}, headers=AUTH)
+
+
+def test_origins_are_compared_by_scheme_host_and_effective_port():
+    assert url_origin("HTTP://Portal.Internal/internal/adapters/x/") == "http://portal.internal:80"
+    assert url_origin("https://portal:443/x") == url_origin("https://PORTAL/") == "https://portal:443"
+    assert url_origin("http://[::1]:8000/x/") == "http://[::1]:8000"
+    assert url_origin("http://portal:8000/x") != url_origin("https://portal:8000/x")
+    for bad in ("ftp://portal/x", "file:///etc/", "http://u:p@portal/", "http://portal\\@evil/", "http://p:0/",
+                "http://p:70000/", "http:///x", "portal:8000"):
+        with pytest.raises(ValueError):
+            url_origin(bad)
+    assert parse_origins("V", " http://Portal:8000/ , https://portal.example,http://portal:8000") == (
+        "http://portal:8000", "https://portal.example:443")
+    assert parse_origins("V", "") == ()
+    for bad in ("portal:8000", "http://portal/internal/", "http://u@portal", "ftp://portal", "http://p:0",
+                "http://portal?x", "http://port al"):
+        with pytest.raises(ConfigError, match="^V: "):
+            parse_origins("V", bad)

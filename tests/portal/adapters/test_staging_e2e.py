@@ -35,7 +35,8 @@ def tiny_base():
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+def worker(tmp_path_factory, live_server):
+    """The tiny worker, fetching adapters only from the live portal's origin."""
     from tests.inference.server.server_process import start_server
     from tests.inference.server.tiny_lora import write_base
 
@@ -45,7 +46,8 @@ def worker(tmp_path_factory):
         ["--model", str(base), "--served-model-name", "tiny-base", "--dtype", "float32", "--kv-cache-memory", "4MiB",
          "--max-num-seqs", "4", "--max-lora-rank", "16"],
         root / "worker.log",
-        env={"INFERENCE_ADMIN_TOKEN": TOKEN, "INFERENCE_ADAPTER_CACHE_DIR": str(root / "cache")},
+        env={"INFERENCE_ADMIN_TOKEN": TOKEN, "INFERENCE_ADAPTER_CACHE_DIR": str(root / "cache"),
+             "INFERENCE_PORTAL_ORIGINS": live_server.url},
     )
     yield proc
     proc.stop()
