@@ -37,6 +37,33 @@ DEFAULT_STATIC_ROOT = REPO_ROOT / "var" / "staticfiles"
 DEFAULT_INFERENCE_URLS = ("http://127.0.0.1:8001",)
 DEFAULT_DEV_ALLOWED_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 DEFAULT_MAX_UPLOAD_BYTES = 512 * 1024 * 1024  # LoRA adapters at high rank reach hundreds of MB
+# A /v1 request body: a 128k-token prompt is ~0.5 MB of text; JSON escaping at most doubles it.
+DEFAULT_GATEWAY_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_REDIS_KEY_PREFIX = "loraplex:"
+# Seconds a request waits for a pooled connection before it is answered 503 (retry later).
+DEFAULT_DATABASE_POOL_TIMEOUT = 10.0
+# How the inference workers reach this portal's /internal/ endpoint when nothing says otherwise:
+# development only (portal and worker on one host); production must name it.
+DEFAULT_DEV_PORTAL_INTERNAL_URL = "http://127.0.0.1:8000"
+
+# What Django's `check --deploy` (security.W009) calls a weak secret key.
+SECRET_KEY_MIN_LENGTH = 50
+SECRET_KEY_MIN_UNIQUE_CHARACTERS = 5
+SECRET_KEY_INSECURE_PREFIX = "django-insecure-"
+# The fleet secret guards every tenant's adapter weights (the /internal/ download endpoint).
+ADMIN_TOKEN_MIN_LENGTH = 32
+# HSTS in production: one year (the minimum the browsers' preload lists accept).
+DEFAULT_PRODUCTION_HSTS_SECONDS = 365 * 24 * 60 * 60
+
+
+# Every variable WebConfig.from_env reads (tests start processes without the caller's values).
+VARIABLES = (
+    "PORTAL_ENV", "DJANGO_ENV", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "CSRF_TRUSTED_ORIGINS",
+    "DATABASE_URL", "DATABASE_POOL_SIZE", "REDIS_URL", "INFERENCE_URLS", "INFERENCE_ADMIN_TOKEN",
+    "PORTAL_INTERNAL_URL", "STORAGE_ROOT", "STATIC_ROOT", "LOG_LEVEL", "MAX_UPLOAD_BYTES",
+    "SECURE_SSL_REDIRECT", "SECURE_HSTS_SECONDS", "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD",
+    "GATEWAY_MAX_BODY_BYTES", "REDIS_KEY_PREFIX", "DATABASE_POOL_TIMEOUT",
+)
 
 
 class ConfigError(ValueError):
@@ -79,6 +106,21 @@ class WebConfig:
     static_root: Path
     log_level: str
     max_upload_bytes: int
+    # Where the inference workers fetch adapter files from (this portal's /internal/ endpoint,
+    # over the internal network); handed to them in every load request.
+    portal_internal_url: str
+    # HTTPS (production defaults; the TLS proxy in front sets X-Forwarded-Proto): plain-HTTP
+    # requests are redirected except /healthz and /internal/ (probes and workers inside the network).
+    secure_ssl_redirect: bool
+    hsts_seconds: int
+    hsts_include_subdomains: bool
+    hsts_preload: bool
+    # The largest /v1 request body, checked before it is read (portal.gateway.asgi).
+    gateway_max_body_bytes: int
+    # Prefix of the platform's own Redis keys (rate-limit counters, the usage spool): deployments
+    # sharing one Redis keep theirs apart.
+    redis_key_prefix: str
+    database_pool_timeout: float  # seconds a step waits for a pooled connection (then a 503)
 
     @property
     def is_production(self) -> bool:
@@ -98,7 +140,8 @@ class WebConfig:
             # Under ASGI each request's sync code runs on a fresh thread: without a pool every
             # request opened a new connection (several ms of the gateway's added latency).
             database.setdefault("OPTIONS", {})["pool"] = {
-                "min_size": min(2, self.database_pool_size), "max_size": self.database_pool_size, "timeout": 10}
+                "min_size": min(2, self.database_pool_size), "max_size": self.database_pool_size,
+                "timeout": self.database_pool_timeout}
         return database
 
     @classmethod
@@ -108,14 +151,11 @@ class WebConfig:
         production = environment == "production"
 
         debug = _parse_bool("DEBUG", env.get("DEBUG"), default=not production)
-        secret_key = env.get("SECRET_KEY", DEVELOPMENT_SECRET_KEY)
         if production and debug:
             raise ConfigError("DEBUG", "must be off in production (set DEBUG=false)")
-        if production and secret_key == DEVELOPMENT_SECRET_KEY:
-            raise ConfigError(
-                "SECRET_KEY",
-                "the development secret key cannot be used in production; set a long random value",
-            )
+        secret_key = env.get("SECRET_KEY", DEVELOPMENT_SECRET_KEY)
+        if production:
+            _check_production_secret_key(secret_key)
 
         allowed_hosts = _parse_list(env.get("ALLOWED_HOSTS"))
         if not allowed_hosts:
@@ -124,6 +164,22 @@ class WebConfig:
                     "ALLOWED_HOSTS", "required in production (comma-separated host names)"
                 )
             allowed_hosts = DEFAULT_DEV_ALLOWED_HOSTS
+        if production:
+            _check_production_allowed_hosts(allowed_hosts)
+
+        inference_admin_token = env.get("INFERENCE_ADMIN_TOKEN")
+        if production:
+            _check_production_admin_token(inference_admin_token)
+
+        portal_internal_url = env.get("PORTAL_INTERNAL_URL")
+        if portal_internal_url is None:
+            if production:
+                raise ConfigError(
+                    "PORTAL_INTERNAL_URL",
+                    "required in production: the URL the inference workers reach this portal at, "
+                    "e.g. http://web:8000",
+                )
+            portal_internal_url = DEFAULT_DEV_PORTAL_INTERNAL_URL
 
         return cls(
             environment=environment,
@@ -139,12 +195,32 @@ class WebConfig:
                 "DATABASE_POOL_SIZE", env.get("DATABASE_POOL_SIZE"), default=WEB_DATABASE_POOL_SIZE if _web_process else 0),
             redis_url=_parse_redis_url(env.get("REDIS_URL")),
             inference_urls=_parse_inference_urls(env.get("INFERENCE_URLS")),
-            inference_admin_token=env.get("INFERENCE_ADMIN_TOKEN"),
+            inference_admin_token=inference_admin_token,
             storage_root=_under_repo_root(env.get("STORAGE_ROOT", str(DEFAULT_STORAGE_ROOT))),
             static_root=_under_repo_root(env.get("STATIC_ROOT", str(DEFAULT_STATIC_ROOT))),
             log_level=_parse_log_level(env.get("LOG_LEVEL")),
             max_upload_bytes=_parse_positive_int(
                 "MAX_UPLOAD_BYTES", env.get("MAX_UPLOAD_BYTES"), default=DEFAULT_MAX_UPLOAD_BYTES
+            ),
+            portal_internal_url=_parse_http_url("PORTAL_INTERNAL_URL", portal_internal_url),
+            secure_ssl_redirect=_parse_bool(
+                "SECURE_SSL_REDIRECT", env.get("SECURE_SSL_REDIRECT"), default=production
+            ),
+            hsts_seconds=_parse_non_negative_int(
+                "SECURE_HSTS_SECONDS",
+                env.get("SECURE_HSTS_SECONDS"),
+                default=DEFAULT_PRODUCTION_HSTS_SECONDS if production else 0,
+            ),
+            hsts_include_subdomains=_parse_bool(
+                "SECURE_HSTS_INCLUDE_SUBDOMAINS", env.get("SECURE_HSTS_INCLUDE_SUBDOMAINS"), default=production
+            ),
+            hsts_preload=_parse_bool("SECURE_HSTS_PRELOAD", env.get("SECURE_HSTS_PRELOAD"), default=production),
+            gateway_max_body_bytes=_parse_positive_int(
+                "GATEWAY_MAX_BODY_BYTES", env.get("GATEWAY_MAX_BODY_BYTES"), default=DEFAULT_GATEWAY_MAX_BODY_BYTES
+            ),
+            redis_key_prefix=_parse_key_prefix(env.get("REDIS_KEY_PREFIX")),
+            database_pool_timeout=_parse_positive_float(
+                "DATABASE_POOL_TIMEOUT", env.get("DATABASE_POOL_TIMEOUT"), default=DEFAULT_DATABASE_POOL_TIMEOUT
             ),
         )
 
@@ -166,6 +242,77 @@ def _under_repo_root(path: str) -> Path:
     """Relative paths are taken from the repository root, not the current directory."""
     resolved = Path(path).expanduser()
     return resolved if resolved.is_absolute() else REPO_ROOT / resolved
+
+
+def _check_production_secret_key(secret_key: str) -> None:
+    """Refuse what Django's deploy check (security.W009) calls weak: sessions, password-reset
+    links and signed values are only as strong as this key."""
+    if secret_key == DEVELOPMENT_SECRET_KEY:
+        raise ConfigError(
+            "SECRET_KEY",
+            "the development secret key cannot be used in production; set a long random value",
+        )
+    if secret_key.startswith(SECRET_KEY_INSECURE_PREFIX):
+        raise ConfigError(
+            "SECRET_KEY", f"a {SECRET_KEY_INSECURE_PREFIX!r} key is Django's placeholder; set a long random value"
+        )
+    if len(secret_key) < SECRET_KEY_MIN_LENGTH or len(set(secret_key)) < SECRET_KEY_MIN_UNIQUE_CHARACTERS:
+        raise ConfigError(
+            "SECRET_KEY",
+            f"too weak for production (needs at least {SECRET_KEY_MIN_LENGTH} characters, "
+            f"{SECRET_KEY_MIN_UNIQUE_CHARACTERS} of them different); "
+            'generate one with python -c "import secrets; print(secrets.token_urlsafe(50))"',
+        )
+
+
+def _check_production_allowed_hosts(allowed_hosts: tuple[str, ...]) -> None:
+    """A wildcard lets any Host header through: password-reset links and redirects built from
+    it can then point anywhere. Django only knows `*` (everything) and `.example.com`
+    (a domain and its subdomains); anything else with a `*` is a mistake too."""
+    for host in allowed_hosts:
+        if "*" in host:
+            raise ConfigError(
+                "ALLOWED_HOSTS",
+                f"{host!r} is a wildcard, refused in production; list the portal's host names "
+                "(.example.com allows a domain and its subdomains)",
+            )
+
+
+def _check_production_admin_token(token: str | None) -> None:
+    """Without the fleet secret the /internal/ endpoint serves no adapter file (and the workers
+    refuse to start in production), so a production portal could not serve any adapter."""
+    if token is None:
+        raise ConfigError(
+            "INFERENCE_ADMIN_TOKEN",
+            "required in production: the secret shared with the inference workers "
+            "(they fetch adapter files with it); the same value goes to every worker",
+        )
+    if len(token) < ADMIN_TOKEN_MIN_LENGTH:
+        raise ConfigError(
+            "INFERENCE_ADMIN_TOKEN",
+            f"too short for production ({len(token)} characters, needs at least {ADMIN_TOKEN_MIN_LENGTH}); "
+            'generate one with python -c "import secrets; print(secrets.token_urlsafe(32))"',
+        )
+
+
+def _parse_key_prefix(value: str | None) -> str:
+    if value is None:
+        return DEFAULT_REDIS_KEY_PREFIX
+    if len(value) > 100 or any(c.isspace() or not c.isprintable() for c in value):
+        raise ConfigError("REDIS_KEY_PREFIX", "must be at most 100 printable characters without spaces")
+    return value
+
+
+def _parse_positive_float(variable: str, value: str | None, *, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        number = float(value.strip())
+    except ValueError:
+        raise ConfigError(variable, f"not a number: {value!r}") from None
+    if not 0 < number < float("inf"):
+        raise ConfigError(variable, f"must be a positive number of seconds, got {value!r}")
+    return number
 
 
 def _parse_environment(env: Mapping[str, str]) -> str:

@@ -106,6 +106,11 @@ STORAGES = {
 MEDIA_ROOT = CONFIG.storage_root
 STORAGE_ROOT = CONFIG.storage_root
 MAX_UPLOAD_BYTES = CONFIG.max_upload_bytes
+GATEWAY_MAX_BODY_BYTES = CONFIG.gateway_max_body_bytes  # /v1 request bodies (portal.gateway.asgi)
+# The platform's own Redis keys: rate-limit counters (portal.quotas), spooled ledger rows
+# (portal.usage.spool).
+QUOTA_KEY_PREFIX = f"{CONFIG.redis_key_prefix}quota:"
+USAGE_SPOOL_KEY = f"{CONFIG.redis_key_prefix}usage:spool"
 
 # Redis: channel layer, cache and Celery broker; without it everything stays in-process.
 REDIS_URL = CONFIG.redis_url
@@ -150,6 +155,8 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {
+    # The schema and its docs page describe every tenant route: signed-in users and API keys only.
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
     "TITLE": "Loraplex API",
     "DESCRIPTION": "Tenants' adapters: create, upload versions, follow validation and staging, set deployment weights.",
     "VERSION": "1.0.0",
@@ -163,7 +170,18 @@ LOGIN_REDIRECT_URL = "console:tenants"
 
 INFERENCE_URLS = list(CONFIG.inference_urls)
 INFERENCE_ADMIN_TOKEN = CONFIG.inference_admin_token
+PORTAL_INTERNAL_URL = CONFIG.portal_internal_url  # read by portal.adapters.staging
 
+# HTTPS. Production sits behind a TLS-terminating proxy that sets X-Forwarded-Proto (it must
+# overwrite a client's own); the flags below are off in development.
+SECURE_SSL_REDIRECT = CONFIG.secure_ssl_redirect
+# Reached over plain HTTP inside the network, never redirected: container/Kubernetes probes
+# (/healthz) and the inference workers fetching adapter files (/internal/). Patterns are matched
+# against the path without its leading slash. (/v1 has its own handler without this middleware.)
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^internal/"]
+SECURE_HSTS_SECONDS = CONFIG.hsts_seconds
+SECURE_HSTS_INCLUDE_SUBDOMAINS = CONFIG.hsts_include_subdomains
+SECURE_HSTS_PRELOAD = CONFIG.hsts_preload
 if CONFIG.is_production:
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -12,9 +16,12 @@ import yaml
 
 from inference.config import EngineConfig
 from inference.models.fetch import MODEL_FILENAME
+from portal.config import VARIABLES, WebConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
+# Files whose quoted "NAME"s count as variables the code reads.
+READERS = ("portal/config.py", "inference/config.py", "inference/models/fetch.py")
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +72,18 @@ def test_web_migrates_before_serving_and_workers_wait_for_it(compose: dict) -> N
     assert services["web"]["environment"]["INFERENCE_URLS"] == "http://inference:8001"
 
 
+def example_values() -> dict[str, str]:
+    """The uncommented NAME=value lines of .env.example."""
+    values = {}
+    for line in (DEPLOY / ".env.example").read_text().splitlines():
+        m = re.match(r"^([A-Z][A-Z0-9_]*)=(.*)$", line)
+        if m:
+            values[m.group(1)] = m.group(2)
+    return values
+
+
 def test_every_example_variable_is_read_by_the_code_or_compose() -> None:
-    sources = "\n".join(
-        (ROOT / path).read_text() for path in ("portal/config.py", "inference/models/fetch.py")
-    )
+    sources = "\n".join((ROOT / path).read_text() for path in READERS)
     read_by_code = set(re.findall(r'"([A-Z][A-Z0-9_]+)"', sources))
     read_by_code |= {f"INFERENCE_{f.name.upper()}" for f in fields(EngineConfig)}
     read_by_compose = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", (DEPLOY / "compose.yaml").read_text()))
@@ -78,7 +93,9 @@ def test_every_example_variable_is_read_by_the_code_or_compose() -> None:
 
 def test_every_variable_the_code_reads_is_documented() -> None:
     portal = set(re.findall(r'env\.get\("([A-Z][A-Z0-9_]+)"', (ROOT / "portal/config.py").read_text()))
+    assert portal == set(VARIABLES)  # the list tests use to start processes without the caller's values
     inference = {f"INFERENCE_{f.name.upper()}" for f in fields(EngineConfig)}
+    inference |= set(re.findall(r'env\.get\("(INFERENCE_[A-Z0-9_]+)"', (ROOT / "inference/config.py").read_text()))
     missing = (portal | inference | {"MODELS_DIR"}) - example_variables()
     assert not missing, f"read by the code but missing from .env.example: {sorted(missing)}"
 
@@ -102,3 +119,77 @@ def test_inference_image_fetches_the_model_it_serves() -> None:
     assert "download.pytorch.org/whl/cpu" in dockerfile
     assert dockerfile.index("python -m inference.models fetch") < dockerfile.index("CMD")
     assert f'"/app/models/{MODEL_FILENAME}"' in dockerfile
+
+
+# --- production wiring --------------------------------------------------------------------------
+
+
+def test_the_web_image_collects_static_files_for_production(tmp_path) -> None:
+    """The Dockerfile's collectstatic step, run as written, writes the manifest production pages
+    need (collected in development mode there is none, and every production page is a 500)."""
+    dockerfile = (DEPLOY / "Dockerfile.web").read_text()
+    instructions = "\n".join(line for line in dockerfile.splitlines() if not line.startswith("#")).replace("\\\n", " ")
+    [run] = [line for line in instructions.splitlines() if line.startswith("RUN ") and "collectstatic" in line]
+    [collect] = [part for part in run.removeprefix("RUN ").split(" && ") if "collectstatic" in part]
+    assert "ENV SECRET_KEY" not in dockerfile and "ARG SECRET_KEY" not in dockerfile  # nothing baked in
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES and k != "DJANGO_SETTINGS_MODULE"}
+    env.update(STATIC_ROOT=str(tmp_path / "static"), PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+
+    result = subprocess.run(["bash", "-c", collect], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "static" / "staticfiles.json").is_file()
+
+
+def test_compose_wires_the_fleet_to_the_portal_over_the_internal_network(compose: dict) -> None:
+    services = compose["services"]
+    for name in ("web", "worker", "beat"):  # the web process and Celery both hand out adapter URLs
+        assert services[name]["environment"]["PORTAL_INTERNAL_URL"] == "http://web:8000"
+    assert services["inference"]["environment"]["INFERENCE_PORTAL_ORIGINS"] == "http://web:8000"
+    example = example_values()
+    assert example["INFERENCE_ENV"] == "production"
+    assert "web" in example["ALLOWED_HOSTS"].split(",")  # the Host of the workers' downloads
+
+
+def test_the_example_settings_start_in_production_once_the_secrets_are_filled_in(compose: dict) -> None:
+    environ = {**example_values(), "SECRET_KEY": "e" * 30 + "xample-s3cret-KEY-" + "q" * 10,
+               "INFERENCE_ADMIN_TOKEN": "example-fleet-token-of-32-characters", "POSTGRES_PASSWORD": "pw"}
+    wired = {k: re.sub(r"\$\{(\w+)[^}]*\}", lambda m: environ.get(m.group(1)) or "loraplex", str(v))
+             for k, v in compose["services"]["web"]["environment"].items()}
+
+    config = WebConfig.from_env({**environ, **wired})
+
+    assert config.is_production and config.secure_ssl_redirect and config.hsts_seconds == 31536000
+    assert config.portal_internal_url == "http://web:8000"
+
+
+def load_run_script():
+    spec = importlib.util.spec_from_file_location("local_run", DEPLOY / "local" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_run_gives_every_process_one_generated_fleet_token() -> None:
+    run = load_run_script()
+
+    first, second = run.local_environment({}), run.local_environment({})
+
+    assert len(first["INFERENCE_ADMIN_TOKEN"]) >= 32
+    assert first["INFERENCE_ADMIN_TOKEN"] != second["INFERENCE_ADMIN_TOKEN"]  # random, per run
+    assert first["PORTAL_INTERNAL_URL"] == "http://127.0.0.1:8000"
+    assert first["INFERENCE_PORTAL_ORIGINS"] == "http://127.0.0.1:8000"
+    # The processes inherit it from the environment: it is on no command line (ps shows those).
+    assert not any(first["INFERENCE_ADMIN_TOKEN"] in cmd or "admin-token" in cmd for cmd in run.processes().values())
+
+
+def test_make_run_keeps_what_the_environment_sets() -> None:
+    run = load_run_script()
+    mine = {"INFERENCE_ADMIN_TOKEN": "t" * 40, "PORTAL_INTERNAL_URL": "http://portal.lan:8080"}
+
+    env = run.local_environment(mine)
+    assert env["INFERENCE_ADMIN_TOKEN"] == "t" * 40
+    assert env["INFERENCE_PORTAL_ORIGINS"] == "http://portal.lan:8080"
+    on_every_interface = run.local_environment({}, web_host="0.0.0.0", web_port="9000")
+    assert on_every_interface["PORTAL_INTERNAL_URL"] == "http://127.0.0.1:9000"
+    assert on_every_interface["INFERENCE_PORTAL_ORIGINS"] == "http://127.0.0.1:9000"

@@ -8,14 +8,22 @@ With REDIS_URL unset everything runs on embedded defaults (SQLite, in-memory cha
 layer, Celery tasks in-process, periodic tasks from `manage.py run_schedule`), so nothing but
 Python is needed; with REDIS_URL set a Celery worker (with its beat scheduler) runs as its own
 process.
+
+The processes share one fleet secret, INFERENCE_ADMIN_TOKEN: the portal hands it to the
+inference worker with each adapter to load and the worker presents it to download the adapter's
+files from the portal's /internal/ endpoint, which serves nothing without it. When it is not set
+a random one is made for this run (never printed). The worker fetches adapters only from this
+portal's origin (INFERENCE_PORTAL_ORIGINS), the address the portal tells it (PORTAL_INTERNAL_URL).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from honcho.manager import Manager
 
@@ -23,10 +31,36 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 WEB_HOST = os.environ.get("WEB_HOST", "127.0.0.1")
 WEB_PORT = os.environ.get("WEB_PORT", "8000")
-# The inference worker: the web side finds it through INFERENCE_URLS (default
-# http://127.0.0.1:8001); INFERENCE_ADMIN_TOKEN, when set, is shared by both (inherited env).
+# The inference worker: the web side finds it through INFERENCE_URLS (default http://127.0.0.1:8001).
 INFERENCE_HOST = "127.0.0.1"
 INFERENCE_PORT = "8001"
+# Bound to every interface, the web process is still reached by the local worker on loopback.
+ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}
+
+
+def local_environment(environ: dict[str, str], *, web_host: str = WEB_HOST, web_port: str = WEB_PORT) -> dict[str, str]:
+    """The environment every step and process of this run gets: `environ` plus the fleet secret
+    (a fresh random one when unset), where the worker reaches the portal (PORTAL_INTERNAL_URL)
+    and the origin it may fetch adapters from (INFERENCE_PORTAL_ORIGINS). Values already set win."""
+    env = dict(environ)
+    if not env.get("INFERENCE_ADMIN_TOKEN"):
+        env["INFERENCE_ADMIN_TOKEN"] = secrets.token_urlsafe(32)
+    if not env.get("PORTAL_INTERNAL_URL"):
+        host = ANY_ADDRESS.get(web_host, web_host)
+        if ":" in host and not host.startswith("["):  # a bare IPv6 address
+            host = f"[{host}]"
+        env["PORTAL_INTERNAL_URL"] = f"http://{host}:{web_port}"
+    if not env.get("INFERENCE_PORTAL_ORIGINS"):
+        env["INFERENCE_PORTAL_ORIGINS"] = origin_of(env["PORTAL_INTERNAL_URL"])
+    return env
+
+
+def origin_of(url: str) -> str:
+    """scheme://host:port of a URL (the worker compares origins, not paths)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"{parts.scheme}://{host}:{port}"
 
 
 def step(title: str, *cmd: str) -> None:
@@ -77,6 +111,8 @@ def processes() -> dict[str, str]:
 
 
 def main() -> int:
+    # Every step below and every process inherits it (the token stays out of command lines and output).
+    os.environ.update(local_environment(dict(os.environ)))
     step("checking the configuration", PY, "manage.py", "check")
     step("fetching the default model", PY, "-m", "inference.models", "fetch")
     ensure_postgres_database()
@@ -95,7 +131,7 @@ def main() -> int:
     )
     manager = Manager()
     for name, cmd in processes().items():
-        manager.add_process(name, cmd, cwd=str(ROOT))
+        manager.add_process(name, cmd, env=dict(os.environ), cwd=str(ROOT))  # with the fleet token
     manager.loop()
     return manager.returncode or 0
 

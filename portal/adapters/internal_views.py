@@ -2,18 +2,19 @@
 
     GET /internal/adapters/<version uid>/<adapter_config.json | adapter_model.safetensors>
 
-Streams the stored file from Django's default storage (never whole in memory). Auth: the
-shared fleet secret `Authorization: Bearer <settings.INFERENCE_ADMIN_TOKEN>` (the same token
-the portal presents to the workers' adapter routes; the staging code hands it to the worker
-as the load request's `auth_token`). When no token is configured the endpoint answers only
-loopback clients (a development setup where portal and worker share a host). Anything that
-is not a ready version's stored PEFT file is 404: unknown uid, retired/rejected/validating
-versions, staff-registered versions without stored files, other file names.
+Streams the stored file from Django's default storage (never whole in memory). Auth, always:
+the shared fleet secret `Authorization: Bearer <settings.INFERENCE_ADMIN_TOKEN>` (the same token
+the portal presents to the workers' adapter routes; the staging code hands it to the worker as
+the load request's `auth_token`). A wrong or missing token is 401. A portal without a token
+serves nothing (503): there is no loopback exception, since a reverse proxy on the same host
+makes every client loopback (`make run` generates a token for its local processes).
+Anything that is not a ready version's stored PEFT file is 404: unknown uid,
+retired/rejected/validating versions, staff-registered versions without stored files, other
+file names.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 from collections.abc import AsyncIterator
 
@@ -37,23 +38,27 @@ from portal.adapters.validation import ADAPTER_FILES
 CHUNK = 1 << 16
 
 
-def _authorized(request: HttpRequest) -> bool:
+def _refusal(request: HttpRequest) -> JsonResponse | None:
+    """None when the request carries the fleet token; otherwise the response refusing it."""
     token = getattr(settings, "INFERENCE_ADMIN_TOKEN", None)
-    if token:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), token.encode())
-    try:
-        return ipaddress.ip_address(request.META.get("REMOTE_ADDR") or "").is_loopback
-    except ValueError:
-        return False
+    if not token:
+        return JsonResponse(
+            {"error": "this portal has no INFERENCE_ADMIN_TOKEN configured, so it serves no adapter files; "
+                      "set the same token on the portal and its inference workers"},
+            status=503,
+        )
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), token.encode()):
+        return None
+    response = JsonResponse({"error": "Authorization: Bearer <INFERENCE_ADMIN_TOKEN> required"}, status=401)
+    response["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 @require_GET
 def adapter_file(request: HttpRequest, uid, filename: str) -> HttpResponse:
-    if not _authorized(request):
-        response = JsonResponse({"error": "Authorization: Bearer <INFERENCE_ADMIN_TOKEN> required"}, status=401)
-        response["WWW-Authenticate"] = "Bearer"
-        return response
+    if (refusal := _refusal(request)) is not None:
+        return refusal
     if filename not in ADAPTER_FILES:
         raise Http404("no such file")
     version = (

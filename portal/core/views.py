@@ -4,7 +4,7 @@ from django.shortcuts import render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from portal.core.health import health_check_database, health_check_redis
+from portal.core.health import health_check_database, health_check_redis, health_check_static
 
 
 @require_GET
@@ -18,6 +18,7 @@ def healthz(request: HttpRequest) -> JsonResponse:
     checks = {
         "database": health_check_database(),
         "redis": health_check_redis(settings.REDIS_URL),
+        "static": health_check_static(),
     }
     healthy = all(check["ok"] for check in checks.values())
     return JsonResponse(

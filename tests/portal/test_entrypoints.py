@@ -8,24 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from portal.config import VARIABLES as CONFIG_VARIABLES
+from tests.web_process import PRODUCTION
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-CONFIG_VARIABLES = (
-    "DATABASE_URL",
-    "REDIS_URL",
-    "SECRET_KEY",
-    "DEBUG",
-    "DJANGO_ENV",
-    "PORTAL_ENV",
-    "ALLOWED_HOSTS",
-    "CSRF_TRUSTED_ORIGINS",
-    "INFERENCE_URLS",
-    "STORAGE_ROOT",
-    "STATIC_ROOT",
-    "LOG_LEVEL",
-    "INFERENCE_ADMIN_TOKEN",
-    "MAX_UPLOAD_BYTES",
-)
 
 PRINT_SETTINGS = """
 import json
@@ -120,15 +107,69 @@ def test_other_entry_points_stop_on_a_bad_setting(command, variable, value):
 
 
 def test_production_with_debug_on_refuses_to_start():
-    result = run(
-        [sys.executable, "manage.py", "check"],
-        PORTAL_ENV="production",
-        DEBUG="1",
-        SECRET_KEY="s" * 60,
-        ALLOWED_HOSTS="portal.example.com",
-    )
+    result = run([sys.executable, "manage.py", "check"], **PRODUCTION, DEBUG="1")
 
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "config error: DEBUG: must be off in production (set DEBUG=false)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SECRET_KEY", "weak-secret", "too weak for production (needs at least 50 characters, 5 of them different)"),
+        ("ALLOWED_HOSTS", "*", "'*' is a wildcard, refused in production"),
+        ("INFERENCE_ADMIN_TOKEN", "", "required in production"),
+        ("INFERENCE_ADMIN_TOKEN", "short-token", "too short for production (11 characters, needs at least 32)"),
+    ],
+    ids=["short-secret", "wildcard-host", "no-admin-token", "short-admin-token"],
+)
+def test_production_refuses_weak_settings_with_one_line_and_exit_2(variable, value, message):
+    result = run([sys.executable, "manage.py", "check"], **{**PRODUCTION, variable: value})
+
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"config error: {variable}: {message}")
+    if variable != "ALLOWED_HOSTS":
+        assert not value or value not in line  # a secret, even a bad one, is never echoed
+
+
+PRINT_SECURITY = """
+import json
+from django.conf import settings
+print(json.dumps({name: getattr(settings, name, None) for name in (
+    "SECURE_SSL_REDIRECT", "SECURE_REDIRECT_EXEMPT", "SECURE_HSTS_SECONDS", "SECURE_HSTS_INCLUDE_SUBDOMAINS",
+    "SECURE_HSTS_PRELOAD", "SECURE_PROXY_SSL_HEADER", "SESSION_COOKIE_SECURE", "CSRF_COOKIE_SECURE",
+    "PORTAL_INTERNAL_URL")}))
+"""
+
+
+def test_https_settings_are_on_in_production_only():
+    def security(**environ: str) -> dict:
+        result = run([sys.executable, "-c", PRINT_SECURITY], DJANGO_SETTINGS_MODULE="portal.settings", **environ)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    assert security(**PRODUCTION) == {
+        "SECURE_SSL_REDIRECT": True,
+        "SECURE_REDIRECT_EXEMPT": ["^healthz$", "^internal/"],
+        "SECURE_HSTS_SECONDS": 31536000,
+        "SECURE_HSTS_INCLUDE_SUBDOMAINS": True,
+        "SECURE_HSTS_PRELOAD": True,
+        "SECURE_PROXY_SSL_HEADER": ["HTTP_X_FORWARDED_PROTO", "https"],
+        "SESSION_COOKIE_SECURE": True,
+        "CSRF_COOKIE_SECURE": True,
+        "PORTAL_INTERNAL_URL": "http://web:8000",
+    }
+    assert security() == {
+        "SECURE_SSL_REDIRECT": False,
+        "SECURE_REDIRECT_EXEMPT": ["^healthz$", "^internal/"],
+        "SECURE_HSTS_SECONDS": 0,
+        "SECURE_HSTS_INCLUDE_SUBDOMAINS": False,
+        "SECURE_HSTS_PRELOAD": False,
+        "SECURE_PROXY_SSL_HEADER": None,
+        "SESSION_COOKIE_SECURE": False,
+        "CSRF_COOKIE_SECURE": False,
+        "PORTAL_INTERNAL_URL": "http://127.0.0.1:8000",
+    }

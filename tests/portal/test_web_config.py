@@ -11,8 +11,10 @@ from portal.config import (
     ConfigError,
     WebConfig,
 )
+from tests.web_process import PRODUCTION
 
 POSTGRES_URL = "postgres://postgres@127.0.0.1:5432/loraplex"
+REDIS_URL = "redis://127.0.0.1:6379/15"
 
 
 @pytest.fixture(autouse=True)
@@ -20,12 +22,6 @@ def not_the_web_process(monkeypatch):
     """Config as Celery and commands parse it; importing portal.asgi (other tests do, in this
     process) marks the process as the web one, whose pool default the subprocess test covers."""
     monkeypatch.setattr("portal.config._web_process", False)
-REDIS_URL = "redis://127.0.0.1:6379/15"
-PRODUCTION = {
-    "PORTAL_ENV": "production",
-    "SECRET_KEY": "k" * 60,
-    "ALLOWED_HOSTS": "portal.example.com",
-}
 
 
 def test_empty_environment_gives_embedded_development_defaults():
@@ -43,6 +39,10 @@ def test_empty_environment_gives_embedded_development_defaults():
     assert config.storage_root == REPO_ROOT / "var" / "storage"
     assert config.log_level == "INFO"
     assert config.inference_admin_token is None
+    assert config.portal_internal_url == "http://127.0.0.1:8000"
+    # No HTTPS enforcement in development (runserver and `make run` speak plain HTTP).
+    assert config.secure_ssl_redirect is False
+    assert (config.hsts_seconds, config.hsts_include_subdomains, config.hsts_preload) == (0, False, False)
 
 
 def test_empty_strings_count_as_unset():
@@ -146,14 +146,27 @@ def test_the_web_process_turns_the_pool_on_unless_told_otherwise():
 
 def test_other_settings_are_read():
     config = WebConfig.from_env(
-        {"LOG_LEVEL": "debug", "INFERENCE_ADMIN_TOKEN": "t0ken", "MAX_UPLOAD_BYTES": "1_000_000"}
+        {"LOG_LEVEL": "debug", "INFERENCE_ADMIN_TOKEN": "t0ken", "MAX_UPLOAD_BYTES": "1_000_000",
+         "GATEWAY_MAX_BODY_BYTES": "65536", "REDIS_KEY_PREFIX": "staging:", "DATABASE_POOL_TIMEOUT": "2.5"}
     )
 
-    assert (config.log_level, config.inference_admin_token, config.max_upload_bytes) == (
+    assert (config.log_level, config.inference_admin_token, config.max_upload_bytes,
+            config.gateway_max_body_bytes, config.redis_key_prefix, config.database_pool_timeout) == (
         "DEBUG",
         "t0ken",
         1_000_000,
+        65536,
+        "staging:",
+        2.5,
     )
+
+
+def test_body_limit_redis_prefix_and_pool_timeout_defaults():
+    config = WebConfig.from_env({})
+
+    assert config.gateway_max_body_bytes == 4 * 1024 * 1024
+    assert config.redis_key_prefix == "loraplex:"
+    assert config.database_pool_timeout == 10.0
 
 
 @pytest.mark.parametrize(
@@ -185,8 +198,19 @@ def test_other_settings_are_read():
         ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL", "unknown level 'LOUD'"),
         ({"MAX_UPLOAD_BYTES": "1GB"}, "MAX_UPLOAD_BYTES", "not an integer"),
         ({"MAX_UPLOAD_BYTES": "0"}, "MAX_UPLOAD_BYTES", "must be positive"),
+        ({"GATEWAY_MAX_BODY_BYTES": "4MiB"}, "GATEWAY_MAX_BODY_BYTES", "not an integer"),
+        ({"GATEWAY_MAX_BODY_BYTES": "0"}, "GATEWAY_MAX_BODY_BYTES", "must be positive"),
+        ({"REDIS_KEY_PREFIX": "two words"}, "REDIS_KEY_PREFIX", "without spaces"),
+        ({"DATABASE_POOL_TIMEOUT": "soon"}, "DATABASE_POOL_TIMEOUT", "not a number"),
+        ({"DATABASE_POOL_TIMEOUT": "0"}, "DATABASE_POOL_TIMEOUT", "positive number of seconds"),
         ({"DATABASE_POOL_SIZE": "-1"}, "DATABASE_POOL_SIZE", "must be >= 0"),
         ({"DATABASE_POOL_SIZE": "many"}, "DATABASE_POOL_SIZE", "not an integer"),
+        ({"PORTAL_INTERNAL_URL": "web:8000"}, "PORTAL_INTERNAL_URL", "not an http(s) URL"),
+        ({"SECURE_SSL_REDIRECT": "always"}, "SECURE_SSL_REDIRECT", "not a boolean"),
+        ({"SECURE_HSTS_SECONDS": "1y"}, "SECURE_HSTS_SECONDS", "not an integer"),
+        ({"SECURE_HSTS_SECONDS": "-1"}, "SECURE_HSTS_SECONDS", "must be >= 0"),
+        ({"SECURE_HSTS_INCLUDE_SUBDOMAINS": "si"}, "SECURE_HSTS_INCLUDE_SUBDOMAINS", "not a boolean"),
+        ({"SECURE_HSTS_PRELOAD": "2"}, "SECURE_HSTS_PRELOAD", "not a boolean"),
     ],
 )
 def test_malformed_values_raise_config_error_naming_the_variable(environ, variable, fragment):
@@ -198,10 +222,82 @@ def test_malformed_values_raise_config_error_naming_the_variable(environ, variab
     assert fragment in caught.value.message
 
 
-def test_production_defaults_debug_off():
+def test_production_defaults_debug_off_and_https_on():
     config = WebConfig.from_env(PRODUCTION)
 
     assert config.is_production and config.debug is False
+    assert config.secure_ssl_redirect is True
+    assert (config.hsts_seconds, config.hsts_include_subdomains, config.hsts_preload) == (31536000, True, True)
+    assert config.portal_internal_url == "http://web:8000"
+
+
+def test_production_https_settings_come_from_the_environment():
+    config = WebConfig.from_env({**PRODUCTION, "SECURE_SSL_REDIRECT": "off", "SECURE_HSTS_SECONDS": "3600",
+                                 "SECURE_HSTS_INCLUDE_SUBDOMAINS": "false", "SECURE_HSTS_PRELOAD": "no"})
+
+    assert config.secure_ssl_redirect is False
+    assert (config.hsts_seconds, config.hsts_include_subdomains, config.hsts_preload) == (3600, False, False)
+
+
+@pytest.mark.parametrize(
+    ("secret", "fragment"),
+    [
+        ("x", "too weak for production"),
+        ("Kq8-vW2p_Lr5zN0xYc3mT7hJ4sB9dF6gA1eR-uI8oP2wQ5tZ7", "too weak for production"),  # 49 characters
+        ("abcd" * 20, "too weak for production"),  # long, 4 different characters
+        ("django-insecure-" + "Kq8-vW2p_Lr5zN0xYc3mT7hJ4sB9dF6gA1eR-uI8", "Django's placeholder"),
+    ],
+    ids=["one-character", "49-characters", "4-unique-characters", "django-insecure-prefix"],
+)
+def test_production_refuses_a_weak_secret_key(secret, fragment):
+    with pytest.raises(ConfigError) as caught:
+        WebConfig.from_env({**PRODUCTION, "SECRET_KEY": secret})
+
+    assert caught.value.variable == "SECRET_KEY"
+    assert fragment in caught.value.message
+
+
+@pytest.mark.parametrize("hosts", ["*", "portal.example.com,*", "*.example.com"])
+def test_production_refuses_wildcard_allowed_hosts(hosts):
+    with pytest.raises(ConfigError, match="wildcard, refused in production") as caught:
+        WebConfig.from_env({**PRODUCTION, "ALLOWED_HOSTS": hosts})
+    assert caught.value.variable == "ALLOWED_HOSTS"
+
+
+def test_production_accepts_a_domain_and_its_subdomains():
+    config = WebConfig.from_env({**PRODUCTION, "ALLOWED_HOSTS": ".example.com,web"})
+
+    assert config.allowed_hosts == (".example.com", "web")
+
+
+@pytest.mark.parametrize(
+    ("token", "fragment"),
+    [(None, "required in production"), ("", "required in production"), ("t" * 31, "too short for production (31")],
+    ids=["unset", "empty", "31-characters"],
+)
+def test_production_refuses_a_missing_or_short_admin_token(token, fragment):
+    environ = {key: value for key, value in PRODUCTION.items() if key != "INFERENCE_ADMIN_TOKEN"}
+    if token is not None:
+        environ["INFERENCE_ADMIN_TOKEN"] = token
+
+    with pytest.raises(ConfigError) as caught:
+        WebConfig.from_env(environ)
+    assert caught.value.variable == "INFERENCE_ADMIN_TOKEN"
+    assert fragment in caught.value.message
+
+
+def test_production_needs_the_portal_internal_url():
+    environ = {key: value for key, value in PRODUCTION.items() if key != "PORTAL_INTERNAL_URL"}
+
+    with pytest.raises(ConfigError, match="required in production") as caught:
+        WebConfig.from_env(environ)
+    assert caught.value.variable == "PORTAL_INTERNAL_URL"
+
+
+def test_development_accepts_what_production_refuses():
+    config = WebConfig.from_env({"SECRET_KEY": "x", "ALLOWED_HOSTS": "*"})
+
+    assert (config.secret_key, config.allowed_hosts, config.inference_admin_token) == ("x", ("*",), None)
 
 
 @pytest.mark.parametrize("variable", ["PORTAL_ENV", "DJANGO_ENV"])

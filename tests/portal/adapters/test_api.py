@@ -319,7 +319,9 @@ def test_delete_an_adapter(api, adapter, ready, tenant, storage_root, staging_ca
 
 
 def test_the_openapi_schema_renders_with_every_route(api) -> None:
-    response = APIClient().get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    anonymous = APIClient().get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    assert anonymous.status_code == 401  # only signed-in users and API keys read it
+    response = api.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
     assert response.status_code == 200
     schema = response.json()
     paths = set(schema["paths"])

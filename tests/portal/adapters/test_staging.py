@@ -1,7 +1,7 @@
 """Staging over real HTTP against loopback stand-in workers: the load body (path or portal URL +
 sha256 + token), one task per enabled worker after commit, per-worker status, retries with
 exponential backoff on transient failures only, concurrent status merges, unstaging; and the
-internal download endpoint the workers fetch from (auth, loopback-only without a token, 404s,
+internal download endpoint the workers fetch from (auth, nothing served without a token, 404s,
 streamed bytes under WSGI and ASGI)."""
 
 from __future__ import annotations
@@ -302,12 +302,12 @@ def test_internal_download_needs_the_fleet_token(client, tenant, header):
     assert client.get(_url(version), **extra).status_code == 401
 
 
-def test_without_a_token_only_loopback_clients_download(client, tenant, settings):
+def test_without_a_token_nobody_downloads(client, tenant, settings):
     settings.INFERENCE_ADMIN_TOKEN = None
     version = make_version(tenant)
-    assert client.get(_url(version), REMOTE_ADDR="127.0.0.1").status_code == 200
-    assert client.get(_url(version), REMOTE_ADDR="::1").status_code == 200
-    assert client.get(_url(version), REMOTE_ADDR="10.0.0.5").status_code == 401
+    for remote_addr in ("127.0.0.1", "::1", "10.0.0.5"):
+        response = client.get(_url(version), REMOTE_ADDR=remote_addr)
+        assert response.status_code == 503 and "INFERENCE_ADMIN_TOKEN" in response.json()["error"]
 
 
 def test_internal_download_404s(client, tenant):

@@ -99,9 +99,11 @@ def test_a_revoked_demo_key_is_replaced(monkeypatch):
 
 def test_production_refuses_the_default_password(settings, monkeypatch):
     monkeypatch.delenv("DEMO_ADMIN_PASSWORD", raising=False)
-    settings.CONFIG = WebConfig.from_env(
-        {"PORTAL_ENV": "production", "SECRET_KEY": "s" * 60, "ALLOWED_HOSTS": "portal.example.com"}
-    )
+    settings.CONFIG = WebConfig.from_env({
+        "PORTAL_ENV": "production", "SECRET_KEY": "Kq8-vW2p_Lr5zN0xYc3mT7hJ4sB9dF6gA1eR-uI8oP2wQ5tZ7nM",
+        "ALLOWED_HOSTS": "portal.example.com", "INFERENCE_ADMIN_TOKEN": "fleet-token-" + "7Yh2Kx9q" * 3,
+        "PORTAL_INTERNAL_URL": "http://web:8000",
+    })
 
     with pytest.raises(CommandError, match="DEMO_ADMIN_PASSWORD"):
         bootstrap()
