@@ -26,7 +26,6 @@ from portal.quotas.limits import (
     month_counter_ttl_ms,
 )
 
-DEFAULT_KEY_PREFIX = "loraplex:quota:"
 DEFAULT_LEASE_SECONDS = 900  # a request's concurrency slot frees itself after this, settled or not
 SETTLED_TTL_MS = 86_400_000  # how long a settled admission is remembered (idempotent settle)
 CONCURRENCY_RETRY_MS = 1000  # a slot frees when some request ends; nothing better to promise
@@ -47,7 +46,7 @@ class QuotaBackend(Protocol):
 
 
 def key_prefix() -> str:
-    return getattr(settings, "QUOTA_KEY_PREFIX", DEFAULT_KEY_PREFIX)
+    return settings.QUOTA_KEY_PREFIX  # from REDIS_KEY_PREFIX (portal.config)
 
 
 def lease_ms() -> int:

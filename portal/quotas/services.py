@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asgiref.sync import sync_to_async
 from django.db import transaction
 
+from portal.core.db import db_sync_to_async
 from portal.core.exceptions import InvalidInput, full_clean_or_raise
 from portal.keys.models import ApiKey
 from portal.quotas.backends import get_backend
@@ -94,7 +94,7 @@ async def quota_admit(
     """
     _check_request_id(request_id)
     _check_count("estimated_tokens", estimated_tokens)
-    scopes = await sync_to_async(quota_scopes)(tenant=tenant, api_key=api_key)
+    scopes = await db_sync_to_async(quota_scopes)(tenant=tenant, api_key=api_key)
     clock = Clock.now()
     outcome = await get_backend().admit(
         scopes=scopes, request_id=request_id, estimated_tokens=estimated_tokens, clock=clock

@@ -9,6 +9,13 @@ BEAT_SCHEDULE = {
         "schedule": crontab(minute=5),
         "options": {"expires": 50 * 60},
     },
+    # Ledger rows spooled while PostgreSQL was unreachable (portal.usage.spool) go back in
+    # within half a minute of it returning.
+    "usage-spool-replay": {
+        "task": "portal.usage.tasks.usage_spool_replay_task",
+        "schedule": 30.0,
+        "options": {"expires": 25},
+    },
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from datetime import date, datetime, timedelta
 
@@ -33,6 +34,7 @@ from portal.usage.percentiles import (
 from portal.usage.periods import day_bounds, utc_today
 
 logger = logging.getLogger(__name__)
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def usage_record_create(
@@ -60,7 +62,8 @@ def usage_record_create(
     INSERT ... ON CONFLICT DO NOTHING, then read the row back: whoever calls first (or wins
     the race, from any number of threads or processes) writes it, every later call gets
     that same row back unchanged. Strings longer than their columns are cut rather than
-    refused, so a request with an outlandish model id still leaves its row in the ledger.
+    refused, and characters the database cannot store are replaced (storable_text), so a request
+    with an outlandish model id still leaves its row in the ledger.
     """
     if not isinstance(request_id, str) or not request_id.strip():
         raise InvalidInput("request_id", "must be a non-empty string")
@@ -82,16 +85,16 @@ def usage_record_create(
         request_id=request_id,
         tenant=tenant,
         api_key=api_key,
-        model=model[:MODEL_MAX_LENGTH],
+        model=storable_text(model, MODEL_MAX_LENGTH),
         adapter_version=adapter_version,
-        worker_url=(worker_url or "")[:WORKER_URL_MAX_LENGTH],
+        worker_url=storable_text(worker_url, WORKER_URL_MAX_LENGTH),
         stream=stream,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         time_to_first_token_ms=time_to_first_token_ms,
         latency_ms=latency_ms,
-        finish_reason=(finish_reason or "")[:FINISH_REASON_MAX_LENGTH],
-        error=error or "",
+        finish_reason=storable_text(finish_reason, FINISH_REASON_MAX_LENGTH),
+        error=storable_text(error),
         status_code=status_code,
         client_disconnected=client_disconnected,
         created_at=created_at,
@@ -103,6 +106,13 @@ def usage_record_create(
         # The id was already used by another tenant's request: a gateway bug, never silent.
         logger.error("usage record %s exists for tenant %s, not %s", request_id, stored.tenant_id, tenant.pk)
     return stored
+
+
+def storable_text(value: str | None, max_length: int | None = None) -> str:
+    """What a client sent, made storable: PostgreSQL text refuses NUL, UTF-8 refuses lone
+    surrogates (a JSON body may carry "\\u0000" or "\\ud800"); each becomes U+FFFD."""
+    text = _UNSTORABLE.sub("\ufffd", value or "")
+    return text[:max_length] if max_length is not None else text
 
 
 @transaction.atomic

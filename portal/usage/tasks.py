@@ -7,6 +7,7 @@ from datetime import date
 from celery import shared_task
 
 from portal.usage.services import usage_rollup_day, usage_rollup_recent
+from portal.usage.spool import usage_spool_replay
 
 
 @shared_task(name="portal.usage.tasks.usage_rollup_task")
@@ -16,3 +17,9 @@ def usage_rollup_task(day: str | None = None) -> list[str]:
         usage_rollup_day(day=date.fromisoformat(day))
         return [day]
     return [rolled.isoformat() for rolled in usage_rollup_recent()]
+
+
+@shared_task(name="portal.usage.tasks.usage_spool_replay_task")
+def usage_spool_replay_task() -> dict[str, int]:
+    """Write back ledger rows spooled while the database was unreachable (beat, every 30 s)."""
+    return usage_spool_replay()

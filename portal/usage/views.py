@@ -9,7 +9,6 @@ import csv
 from collections.abc import AsyncIterator, Iterable, Iterator
 from datetime import date
 
-from asgiref.sync import sync_to_async
 from django.contrib.auth.decorators import login_required
 from django.core.handlers.asgi import ASGIRequest
 from django.db.models import Q
@@ -22,6 +21,7 @@ from django.http import (
 )
 from django.views.decorators.http import require_GET
 
+from portal.core.db import db_sync_to_async
 from portal.core.exceptions import InvalidInput
 from portal.tenants.models import Tenant
 from portal.tenants.selectors import membership_get, tenant_get_by_slug
@@ -157,7 +157,7 @@ async def _records_csv_async(records) -> AsyncIterator[str]:
         yield line
     after_key = None
     while True:
-        page = await sync_to_async(_records_page)(records, after_key)
+        page = await db_sync_to_async(_records_page)(records, after_key)
         if not page:
             return
         for line in _csv_lines(_record_row(record) for record in page):

@@ -7,4 +7,5 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
     # (the same name as tests/portal/playground, so both directories can run in one session).
     from django.conf import settings
 
-    settings.DATABASES["default"].setdefault("TEST", {})["NAME"] = "test_loraplex_playground"
+    database = settings.DATABASES["default"]
+    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_playground"

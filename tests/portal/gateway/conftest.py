@@ -24,7 +24,7 @@ from django.utils import timezone
 from tests.inference.server.server_process import ServerProcess, start_server
 
 BASE = "smollm2"
-ADMIN_TOKEN = "gateway-test-admin"
+ADMIN_TOKEN = "gateway-test-admin-token-0123456789abcdef"  # production wants >= 32 characters
 WORKER_FLAGS = ["--served-model-name", BASE, "--dtype", "float32", "--kv-cache-memory", "64MiB",
                 "--max-num-seqs", "16", "--max-waiting-requests", "64", "--max-loras", "2",
                 "--max-lora-rank", "16"]
@@ -41,7 +41,8 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
     # Our own test database: other suites may be running at the same time on this machine.
     from django.conf import settings
 
-    settings.DATABASES["default"].setdefault("TEST", {})["NAME"] = "test_loraplex_gateway"
+    database = settings.DATABASES["default"]
+    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_gateway"
 
 
 def model_path():
@@ -53,15 +54,26 @@ def model_path():
     return path
 
 
-def start_worker(tmp_path_factory, name: str) -> ServerProcess:
+def start_worker(tmp_path_factory, name: str, *, portal_url: str | None = None) -> ServerProcess:
+    """The SmolLM2 worker behind ADMIN_TOKEN; it fetches adapters by URL (the gateway's lazy load
+    of an uploaded version) only from `portal_url`'s origin, when given."""
     log = tmp_path_factory.mktemp("worker") / f"{name}.log"
-    return start_server(["--model", str(model_path()), *WORKER_FLAGS], log,
-                        env={"INFERENCE_ADMIN_TOKEN": ADMIN_TOKEN})
+    env = {"INFERENCE_ADMIN_TOKEN": ADMIN_TOKEN}
+    if portal_url is not None:
+        env["INFERENCE_PORTAL_ORIGINS"] = portal_url
+    return start_server(["--model", str(model_path()), *WORKER_FLAGS], log, env=env)
 
 
 @pytest.fixture(scope="session")
-def worker(tmp_path_factory) -> ServerProcess:
-    proc = start_worker(tmp_path_factory, "main")
+def gateway_port() -> int:
+    """The live gateway's port, chosen before either process starts: the worker is told it
+    (its portal origin) and may start first."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory, gateway_port) -> ServerProcess:
+    proc = start_worker(tmp_path_factory, "main", portal_url=f"http://127.0.0.1:{gateway_port}")
     yield proc
     proc.stop()
 
@@ -74,13 +86,13 @@ class LiveGateway:
 
 
 @pytest.fixture(scope="session")
-def gateway(django_db_setup, django_db_blocker) -> LiveGateway:
+def gateway(django_db_setup, django_db_blocker, gateway_port) -> LiveGateway:
     """uvicorn serving portal.asgi:application on a background thread (its own event loop)."""
     import uvicorn
 
     from portal.asgi import application
 
-    port = free_port()
+    port = gateway_port
     config = uvicorn.Config(application, host="127.0.0.1", port=port, lifespan="off", log_level="warning",
                             access_log=False)
     server = uvicorn.Server(config)
@@ -104,6 +116,7 @@ def live(gateway, worker, transactional_db, settings) -> LiveGateway:
 
     settings.INFERENCE_URLS = [worker.url]
     settings.INFERENCE_ADMIN_TOKEN = ADMIN_TOKEN
+    settings.PORTAL_INTERNAL_URL = gateway.url  # the worker's one trusted portal origin (lazy loads)
     settings.QUOTA_KEY_PREFIX = f"test:gateway:{uuid.uuid4().hex}:"
     services._base_cache.clear()
     return gateway
@@ -178,3 +191,42 @@ def run_async(coro):
 
 def an_hour_ago():
     return timezone.now() - timedelta(hours=1)
+
+
+# -- the web process as deployed ----------------------------------------------------------------
+@pytest.fixture(scope="session")
+def production_static(tmp_path_factory):
+    """One production collectstatic per session (pages need the manifest; /healthz checks it)."""
+    from tests.web_process import collect_static, production_env
+
+    root = tmp_path_factory.mktemp("production-static")
+    collect_static(production_env(database_url="sqlite:///unused.sqlite3", redis_url="redis://127.0.0.1:6379/0",
+                                  static_root=root, storage_root=root / "unused", inference_urls=["http://x:1"],
+                                  admin_token=ADMIN_TOKEN))
+    return root
+
+
+@pytest.fixture
+def start_production_web(worker, transactional_db, production_static, tmp_path):
+    """Start `uvicorn portal.asgi:application` with production settings on 127.0.0.2, on the test
+    database, Redis and the session's worker; keyword arguments override its environment. The
+    processes stop when the test ends."""
+    from django.conf import settings
+
+    from tests.web_process import production_env, start_web, test_database_url
+
+    started = []
+
+    def start(*, healthy: bool = True, **extra: str):
+        env = production_env(database_url=test_database_url(), redis_url=settings.REDIS_URL,
+                             static_root=production_static, storage_root=tmp_path / "storage",
+                             inference_urls=[worker.url], admin_token=ADMIN_TOKEN,
+                             REDIS_KEY_PREFIX=f"test:web:{uuid.uuid4().hex}:")
+        env.update(extra)
+        web = start_web(env, log_path=tmp_path / f"web-{len(started)}.log", healthy=healthy)
+        started.append(web)
+        return web
+
+    yield start
+    for web in started:
+        web.stop()

@@ -19,7 +19,8 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
     # Our own test database: other suites may be running at the same time on this machine.
     from django.conf import settings
 
-    settings.DATABASES["default"].setdefault("TEST", {})["NAME"] = "test_loraplex_playground"
+    database = settings.DATABASES["default"]
+    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_playground"
 
 
 @pytest.fixture(scope="session")
