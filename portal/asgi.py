@@ -1,8 +1,10 @@
 """ASGI entry point of the web process: `uvicorn portal.asgi:application`.
 
 HTTP: Django; /v1/ (the OpenAI-compatible gateway) through its own handler without the portal's
-middleware (portal.gateway.asgi). Websockets (the playground): the session's user (AuthMiddlewareStack), only from
-an Origin in ALLOWED_HOSTS (AllowedHostsOriginValidator), routed by portal.playground.routing.
+middleware (portal.gateway.asgi); both handlers bound request bodies, and authenticate large
+ones, before reading them (portal.core.body_guard). Websockets (the playground): the session's
+user (AuthMiddlewareStack), only from an Origin in ALLOWED_HOSTS (AllowedHostsOriginValidator),
+routed by portal.playground.routing.
 """
 
 import os
@@ -14,18 +16,19 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 mark_web_process()
 load_config_or_exit(os.environ)
 
-from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402 -- after the config check
-from django.core.asgi import get_asgi_application  # noqa: E402
+import django  # noqa: E402 -- after the config check
 
-django_asgi_app = get_asgi_application()  # sets Django up before anything imports models
+django.setup(set_prefix=False)  # what get_asgi_application does, before anything imports models
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from portal.core.asgi_handler import PortalASGIHandler  # noqa: E402
 from portal.gateway.asgi import route_gateway  # noqa: E402
 from portal.playground.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter({
-    "http": route_gateway(django_asgi_app),
+    "http": route_gateway(PortalASGIHandler()),
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

@@ -7,6 +7,15 @@ Services raise GatewayError; views (HTTP) and the playground consumer (websocket
 
 from __future__ import annotations
 
+import logging
+
+import redis
+from django.db import InterfaceError, OperationalError
+
+log = logging.getLogger(__name__)
+# Seconds a client is told to wait when a service the gateway depends on is unreachable.
+SERVICE_RETRY_AFTER = 2
+
 
 class GatewayError(Exception):
     def __init__(
@@ -74,3 +83,21 @@ def no_worker(detail: str, *, retry_after: int | None = None) -> GatewayError:
         code="no_worker_available",
         headers=headers,
     )
+
+
+def unexpected(exc: BaseException, *, request_id: str) -> GatewayError:
+    """What a client is told about a failure that is not its request's fault: the database or
+    Redis unreachable (or the connection pool exhausted) is a 503 to retry; anything else a
+    500, logged with its traceback under the request id."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        log.warning("%s: database unavailable: %s: %s", request_id, type(exc).__name__, str(exc).strip()[:300])
+        return GatewayError(503, "The service's database is unavailable; retry shortly.", type="service_unavailable",
+                            code="service_unavailable", headers={"retry-after": str(SERVICE_RETRY_AFTER)})
+    if isinstance(exc, redis.RedisError):
+        log.warning("%s: Redis unavailable: %s: %s", request_id, type(exc).__name__, str(exc).strip()[:300])
+        return GatewayError(503, "The service's rate limiter is unavailable; retry shortly.",
+                            type="service_unavailable", code="service_unavailable",
+                            headers={"retry-after": str(SERVICE_RETRY_AFTER)})
+    log.error("%s: unexpected gateway error", request_id, exc_info=exc)
+    return GatewayError(500, f"The gateway failed on this request; retry, and quote {request_id} if it persists.",
+                        type="server_error", code="internal_error")

@@ -34,7 +34,6 @@ from typing import Any
 
 import httpx
 from django.conf import settings
-from django.db import connection
 from django.utils import timezone
 
 from portal.adapters.deployments import deployment_resolve
@@ -51,6 +50,7 @@ from portal.gateway.errors import (
     model_not_found,
     no_worker,
     tenant_suspended,
+    unexpected,
 )
 from portal.keys.models import ApiKey
 from portal.keys.selectors import api_key_authenticate
@@ -58,7 +58,7 @@ from portal.keys.services import api_key_record_use
 from portal.quotas.services import QuotaExceeded, quota_admit, quota_settle
 from portal.tenants.models import Tenant
 from portal.tenants.plans import plan_for
-from portal.usage.services import usage_record_create
+from portal.usage.spool import usage_record_save
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ DEFAULT_MAX_TOKENS_ESTIMATE = 256
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=3.0, read=600.0, write=30.0, pool=30.0)
 UPSTREAM_LIMITS = httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=30.0)
 LOAD_TIMEOUT = httpx.Timeout(connect=3.0, read=120.0, write=30.0, pool=30.0)
+# Load refusals that say nothing about the adapter (the worker's fetch from the portal failed, or
+# the portal's origin is not among the worker's INFERENCE_PORTAL_ORIGINS).
+WORKER_SIDE_LOAD_ERRORS = frozenset({"adapter_fetch_failed", "adapter_source_forbidden"})
 BASE_NAME_TTL = 10.0  # seconds a base name learnt from a worker's /v1/models is trusted
 # A streaming Completion whose chunks() never start (the client left between the worker's 200
 # and the first relayed byte) is closed and written to the ledger after this long.
@@ -215,14 +218,6 @@ async def models_list(*, caller: Caller) -> list[dict]:
 _background: set[asyncio.Task] = set()
 
 
-def _write_usage(fields: dict) -> None:
-    # Runs on a pool thread (not the request's): it may outlive the request after a disconnect.
-    try:
-        usage_record_create(**fields)
-    finally:
-        connection.close()
-
-
 @dataclass
 class Ledger:
     """What one request did, written once: the usage row and the quota settlement."""
@@ -296,10 +291,7 @@ class Ledger:
             created_at=self.started_at,
             finished_at=timezone.now(),
         )
-        try:
-            await db_sync_to_async(_write_usage, thread_sensitive=False)(fields)
-        except Exception:
-            log.exception("usage_record_create failed for %s", self.request_id)
+        await usage_record_save(fields)  # retried, else spooled: never dropped
 
 
 # -- routing --------------------------------------------------------------------------------
@@ -355,6 +347,11 @@ async def _load_adapter(client: httpx.AsyncClient, url: str, target: ModelTarget
         log.info("loaded %s (%s) on %s", target.public_id, version.worker_name, url)
         return None
     error = _error_object(response.content)
+    if response.status_code == 400 and error.get("code") in WORKER_SIDE_LOAD_ERRORS:
+        # The worker could not reach or may not trust the portal: the operator's to fix, and
+        # another worker may do better; the tenant's adapter is not at fault.
+        log.error("worker %s could not load %s: %s", url, target.public_id, error.get("message"))
+        return f"loading the adapter failed on the worker ({error.get('code')})"
     if response.status_code == 400:
         raise GatewayError(400, f"The model `{target.public_id}` could not be loaded: "
                                 f"{_scrub(error.get('message'), target)}",
@@ -601,10 +598,11 @@ async def completion_stream(*, caller: Caller, endpoint: str, body: dict, reques
         ledger.client_disconnected = True
         ledger.status_code = 499
         raise
-    except Exception as exc:
-        ledger.status_code = 500
-        ledger.error = f"gateway error: {type(exc).__name__}: {exc}"
-        raise
+    except Exception as exc:  # noqa: BLE001 -- the database or Redis failed us: 503 / 500, in JSON
+        error = unexpected(exc, request_id=request_id)
+        ledger.status_code = error.status
+        ledger.error = f"{error.message} ({type(exc).__name__}: {exc})"
+        raise error from exc
     finally:
         if not streaming:
             await ledger.close()

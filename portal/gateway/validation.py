@@ -10,15 +10,27 @@ which validates it strictly and answers its own 400 in the same shape.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+from django.conf import settings
 
 from portal.gateway.errors import GatewayError
 
 CHAT = "chat"
 COMPLETIONS = "completions"
 MAX_CHOICES = 128  # the worker's bound on n × prompts
+# The largest max_tokens taken: far beyond any context window, small enough that the quota's
+# estimate (this × n × prompts) stays an exact integer in Redis's Lua (a double) and in int64.
+MAX_OUTPUT_TOKENS = 2**31 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 # Fields only the gateway may set (the worker's fair scheduler trusts them).
 GATEWAY_FIELDS = ("tenant", "tenant_weight")
+
+
+def max_body_bytes() -> int:
+    return int(settings.GATEWAY_MAX_BODY_BYTES)
 
 
 def bad(param: str | None, message: str) -> GatewayError:
@@ -42,14 +54,35 @@ def parse_json_object(raw: bytes) -> dict:
         raise bad(None, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad(None, f"request body must be a JSON object, got {type(body).__name__}")
+    if "\\u" in text:  # only a \uXXXX escape can make a lone surrogate: UTF-8 bytes cannot
+        _check_no_lone_surrogates(body)
     return body
+
+
+def _check_no_lone_surrogates(value: Any, where: str = "") -> None:
+    """A JSON string may escape half a UTF-16 pair ("\\ud800"): not a character, unstorable and
+    unencodable, so a 400 naming where it is rather than a failure further down."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise bad(path or None, "contains a lone UTF-16 surrogate escape (e.g. \\ud800), which is "
+                                        "not a Unicode character")
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _SURROGATE.search(key):
+                    raise bad(path or None, "an object key contains a lone UTF-16 surrogate escape")
+                stack.append((child, f"{path}.{key}" if path else key))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _optional_positive_int(body: dict, name: str) -> int | None:
+def _optional_positive_int(body: dict, name: str, *, maximum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -57,6 +90,8 @@ def _optional_positive_int(body: dict, name: str) -> int | None:
         raise bad(name, f"must be an integer, got {type(value).__name__}")
     if value < 1:
         raise bad(name, f"must be at least 1, got {value}")
+    if value > maximum:
+        raise bad(name, f"must be at most {maximum}, got {value}")
     return value
 
 
@@ -109,6 +144,8 @@ def validate(endpoint: str, body: dict) -> dict:
         raise bad("model", "must be a non-empty string")
     if len(model) > 300:
         raise bad("model", "is too long")
+    if _CONTROL.search(model):
+        raise bad("model", "must not contain control characters")
     if endpoint == CHAT:
         if "messages" not in body:
             raise bad("messages", "is required")
@@ -130,10 +167,10 @@ def validate(endpoint: str, body: dict) -> dict:
         include = options.get("include_usage", False)
         if not isinstance(include, bool):
             raise bad("stream_options.include_usage", "must be a boolean")
-    _optional_positive_int(body, "max_tokens")
+    _optional_positive_int(body, "max_tokens", maximum=MAX_OUTPUT_TOKENS)
     if endpoint == CHAT:
-        _optional_positive_int(body, "max_completion_tokens")
-    n = _optional_positive_int(body, "n") or 1
+        _optional_positive_int(body, "max_completion_tokens", maximum=MAX_OUTPUT_TOKENS)
+    n = _optional_positive_int(body, "n", maximum=MAX_CHOICES) or 1
     if n * prompts > MAX_CHOICES:
         raise bad("n", f"asks for {n * prompts} choices; at most {MAX_CHOICES} per request")
     for name in GATEWAY_FIELDS:

@@ -1,20 +1,26 @@
 """/v1: the OpenAI-compatible API. Async views, no thread held per stream: the pipeline is
 portal.gateway.services; these views only read HTTP, call it and write HTTP (errors in OpenAI's
-shape, x-request-id on every response, SSE for streams)."""
+shape, x-request-id on every response, SSE for streams).
+
+Served by portal.gateway.asgi.GatewayASGIHandler, which has already authenticated a request with
+a body (SCOPE_API_KEY) and chosen its request id (SCOPE_REQUEST_ID) before reading the body;
+under another handler (WSGI) the views do both themselves.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
 
-from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from portal.gateway import services
-from portal.gateway.errors import GatewayError
-from portal.gateway.validation import parse_json_object
+from portal.gateway.errors import GatewayError, unexpected
+from portal.gateway.validation import max_body_bytes, parse_json_object
 
+SCOPE_API_KEY = "loraplex.api_key"
+SCOPE_REQUEST_ID = "loraplex.request_id"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer tokens
 DONE = b"data: [DONE]\n\n"
 
@@ -46,10 +52,13 @@ def _method_not_allowed(request: HttpRequest, allowed: str, request_id: str) -> 
 
 
 def _body(request: HttpRequest) -> dict:
-    try:
-        raw = request.body
-    except RequestDataTooBig:
-        raise GatewayError(413, "request body too large") from None
+    # Not request.body: its DATA_UPLOAD_MAX_MEMORY_SIZE (the portal's forms) is not the API's
+    # limit. The handler stopped anything longer than max_body_bytes() before it was read.
+    limit = max_body_bytes()
+    raw = request.read(limit + 1)
+    if len(raw) > limit:
+        raise GatewayError(413, f"Request body too large: at most {limit} bytes are accepted here.",
+                           code="request_too_large")
     return parse_json_object(raw)
 
 
@@ -64,13 +73,25 @@ async def _sse(completion: services.Completion) -> AsyncIterator[bytes]:
         await completion.aclose()  # (a no-op once chunks() started)
 
 
+def _request_id(request: HttpRequest) -> str:
+    scope = getattr(request, "scope", None) or {}
+    return scope.get(SCOPE_REQUEST_ID) or services.new_request_id()
+
+
+async def _api_key(request: HttpRequest):
+    scope = getattr(request, "scope", None) or {}
+    api_key = scope.get(SCOPE_API_KEY)
+    if api_key is None:
+        api_key = await services.api_key_from_authorization(request.headers.get("authorization"))
+    return api_key
+
+
 async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
-    request_id = services.new_request_id()
+    request_id = _request_id(request)
     if request.method != "POST":
         return _method_not_allowed(request, "POST", request_id)
     try:
-        api_key = await services.api_key_from_authorization(request.headers.get("authorization"))
-        caller = services.Caller.of_key(api_key)
+        caller = services.Caller.of_key(await _api_key(request))
         try:
             body = _body(request)
         except GatewayError as exc:
@@ -80,6 +101,8 @@ async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
             caller=caller, endpoint=endpoint, body=body, request_id=request_id)
     except GatewayError as exc:
         return error_response(request, exc, request_id)
+    except Exception as exc:  # noqa: BLE001 -- the database, Redis... : OpenAI-shaped, never HTML
+        return error_response(request, unexpected(exc, request_id=request_id), request_id)
     if not completion.stream:
         return _with_ids(JsonResponse(completion.json, safe=False), request, request_id, completion.headers)
     response = StreamingHttpResponse(_sse(completion), content_type="text/event-stream", headers=SSE_HEADERS)
@@ -98,18 +121,19 @@ async def completions(request: HttpRequest) -> HttpResponse:
 
 @csrf_exempt
 async def models(request: HttpRequest) -> HttpResponse:
-    request_id = services.new_request_id()
+    request_id = _request_id(request)
     if request.method != "GET":
         return _method_not_allowed(request, "GET", request_id)
     try:
-        api_key = await services.api_key_from_authorization(request.headers.get("authorization"))
-        data = await services.models_list(caller=services.Caller.of_key(api_key))
+        data = await services.models_list(caller=services.Caller.of_key(await _api_key(request)))
     except GatewayError as exc:
         return error_response(request, exc, request_id)
+    except Exception as exc:  # noqa: BLE001 -- the database unreachable...: OpenAI-shaped, never HTML
+        return error_response(request, unexpected(exc, request_id=request_id), request_id)
     return _with_ids(JsonResponse({"object": "list", "data": data}), request, request_id)
 
 
 @csrf_exempt
 async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
     exc = GatewayError(404, f"Invalid URL ({request.method} /v1/{path})", code="unknown_url")
-    return error_response(request, exc, services.new_request_id())
+    return error_response(request, exc, _request_id(request))
