@@ -36,6 +36,9 @@ class Schedule:
 
     def __init__(self, app) -> None:
         self.app = app
+        # What a Celery worker does at start: import every installed app's tasks module
+        # (autodiscovery is lazy), or only the tasks something else happened to import are found.
+        app.autodiscover_tasks(force=True)
         start = app.now()
         self.entries = []
         for name, spec in sorted((app.conf.beat_schedule or {}).items()):
