@@ -26,9 +26,10 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from portal.core.asgi_handler import PortalASGIHandler  # noqa: E402
 from portal.gateway.asgi import route_gateway  # noqa: E402
+from portal.keys.selectors import api_key_is_usable  # noqa: E402
 from portal.playground.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter({
-    "http": route_gateway(PortalASGIHandler()),
+    "http": route_gateway(PortalASGIHandler(api_key_is_usable=api_key_is_usable)),
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

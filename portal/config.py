@@ -42,6 +42,18 @@ DEFAULT_GATEWAY_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_REDIS_KEY_PREFIX = "loraplex:"
 # Seconds a request waits for a pooled connection before it is answered 503 (retry later).
 DEFAULT_DATABASE_POOL_TIMEOUT = 10.0
+# A request's concurrency slot frees itself after this long, settled or not (a crashed gateway).
+DEFAULT_QUOTA_CONCURRENCY_LEASE_SECONDS = 900
+# Requests in flight on a worker beyond which routing prefers another (adapter affinity yields).
+DEFAULT_FLEET_MAX_LOAD = 64
+# The widest adapter rank uploads are validated against while no worker has said its own.
+DEFAULT_ADAPTER_MAX_LORA_RANK = 16
+# Entries an uploaded archive may hold (a save_pretrained directory has a handful).
+DEFAULT_ADAPTER_MAX_ARCHIVE_FILES = 64
+# Staging's first retry after a transient failure; doubles each time (portal.adapters.staging).
+DEFAULT_ADAPTER_STAGE_RETRY_SECONDS = 2.0
+# Adapters the prewarm task keeps staged on every worker, the most used first.
+DEFAULT_ADAPTER_PREWARM_TOP_N = 8
 # How the inference workers reach this portal's /internal/ endpoint when nothing says otherwise:
 # development only (portal and worker on one host); production must name it.
 DEFAULT_DEV_PORTAL_INTERNAL_URL = "http://127.0.0.1:8000"
@@ -63,6 +75,8 @@ VARIABLES = (
     "PORTAL_INTERNAL_URL", "STORAGE_ROOT", "STATIC_ROOT", "LOG_LEVEL", "MAX_UPLOAD_BYTES",
     "SECURE_SSL_REDIRECT", "SECURE_HSTS_SECONDS", "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD",
     "GATEWAY_MAX_BODY_BYTES", "REDIS_KEY_PREFIX", "DATABASE_POOL_TIMEOUT",
+    "QUOTA_CONCURRENCY_LEASE_SECONDS", "FLEET_MAX_LOAD", "ADAPTER_MAX_LORA_RANK", "ADAPTER_MAX_EXTRACTED_BYTES",
+    "ADAPTER_MAX_ARCHIVE_FILES", "ADAPTER_STAGE_RETRY_SECONDS", "ADAPTER_PREWARM_TOP_N",
 )
 
 
@@ -121,6 +135,13 @@ class WebConfig:
     # sharing one Redis keep theirs apart.
     redis_key_prefix: str
     database_pool_timeout: float  # seconds a step waits for a pooled connection (then a 503)
+    quota_concurrency_lease_seconds: int
+    fleet_max_load: int
+    adapter_max_lora_rank: int
+    adapter_max_extracted_bytes: int  # the most an uploaded archive may unpack to
+    adapter_max_archive_files: int
+    adapter_stage_retry_seconds: float
+    adapter_prewarm_top_n: int  # 0: prewarm nothing
 
     @property
     def is_production(self) -> bool:
@@ -181,6 +202,9 @@ class WebConfig:
                 )
             portal_internal_url = DEFAULT_DEV_PORTAL_INTERNAL_URL
 
+        max_upload_bytes = _parse_positive_int(
+            "MAX_UPLOAD_BYTES", env.get("MAX_UPLOAD_BYTES"), default=DEFAULT_MAX_UPLOAD_BYTES
+        )
         return cls(
             environment=environment,
             debug=debug,
@@ -199,9 +223,7 @@ class WebConfig:
             storage_root=_under_repo_root(env.get("STORAGE_ROOT", str(DEFAULT_STORAGE_ROOT))),
             static_root=_under_repo_root(env.get("STATIC_ROOT", str(DEFAULT_STATIC_ROOT))),
             log_level=_parse_log_level(env.get("LOG_LEVEL")),
-            max_upload_bytes=_parse_positive_int(
-                "MAX_UPLOAD_BYTES", env.get("MAX_UPLOAD_BYTES"), default=DEFAULT_MAX_UPLOAD_BYTES
-            ),
+            max_upload_bytes=max_upload_bytes,
             portal_internal_url=_parse_http_url("PORTAL_INTERNAL_URL", portal_internal_url),
             secure_ssl_redirect=_parse_bool(
                 "SECURE_SSL_REDIRECT", env.get("SECURE_SSL_REDIRECT"), default=production
@@ -221,6 +243,27 @@ class WebConfig:
             redis_key_prefix=_parse_key_prefix(env.get("REDIS_KEY_PREFIX")),
             database_pool_timeout=_parse_positive_float(
                 "DATABASE_POOL_TIMEOUT", env.get("DATABASE_POOL_TIMEOUT"), default=DEFAULT_DATABASE_POOL_TIMEOUT
+            ),
+            quota_concurrency_lease_seconds=_parse_positive_int(
+                "QUOTA_CONCURRENCY_LEASE_SECONDS", env.get("QUOTA_CONCURRENCY_LEASE_SECONDS"),
+                default=DEFAULT_QUOTA_CONCURRENCY_LEASE_SECONDS,
+            ),
+            fleet_max_load=_parse_positive_int("FLEET_MAX_LOAD", env.get("FLEET_MAX_LOAD"), default=DEFAULT_FLEET_MAX_LOAD),
+            adapter_max_lora_rank=_parse_positive_int(
+                "ADAPTER_MAX_LORA_RANK", env.get("ADAPTER_MAX_LORA_RANK"), default=DEFAULT_ADAPTER_MAX_LORA_RANK
+            ),
+            adapter_max_extracted_bytes=_parse_positive_int(
+                "ADAPTER_MAX_EXTRACTED_BYTES", env.get("ADAPTER_MAX_EXTRACTED_BYTES"), default=2 * max_upload_bytes
+            ),
+            adapter_max_archive_files=_parse_positive_int(
+                "ADAPTER_MAX_ARCHIVE_FILES", env.get("ADAPTER_MAX_ARCHIVE_FILES"), default=DEFAULT_ADAPTER_MAX_ARCHIVE_FILES
+            ),
+            adapter_stage_retry_seconds=_parse_positive_float(
+                "ADAPTER_STAGE_RETRY_SECONDS", env.get("ADAPTER_STAGE_RETRY_SECONDS"),
+                default=DEFAULT_ADAPTER_STAGE_RETRY_SECONDS,
+            ),
+            adapter_prewarm_top_n=_parse_non_negative_int(
+                "ADAPTER_PREWARM_TOP_N", env.get("ADAPTER_PREWARM_TOP_N"), default=DEFAULT_ADAPTER_PREWARM_TOP_N
             ),
         )
 

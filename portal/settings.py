@@ -26,6 +26,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "portal.core",
+    "portal.demo",
     "portal.tenants",
     "portal.keys",
     "portal.adapters",
@@ -64,7 +65,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "portal.core.context_processors.debug_banner",
-                "portal.core.context_processors.memberships",
+                "portal.tenants.context_processors.memberships",
             ],
         },
     },
@@ -107,6 +108,13 @@ MEDIA_ROOT = CONFIG.storage_root
 STORAGE_ROOT = CONFIG.storage_root
 MAX_UPLOAD_BYTES = CONFIG.max_upload_bytes
 GATEWAY_MAX_BODY_BYTES = CONFIG.gateway_max_body_bytes  # /v1 request bodies (portal.gateway.asgi)
+ADAPTER_MAX_LORA_RANK = CONFIG.adapter_max_lora_rank  # uploads, until a worker reports its own
+ADAPTER_MAX_EXTRACTED_BYTES = CONFIG.adapter_max_extracted_bytes  # what an archive may unpack to
+ADAPTER_MAX_ARCHIVE_FILES = CONFIG.adapter_max_archive_files
+ADAPTER_STAGE_RETRY_SECONDS = CONFIG.adapter_stage_retry_seconds  # staging's first retry, doubling
+ADAPTER_PREWARM_TOP_N = CONFIG.adapter_prewarm_top_n  # adapters kept staged on every worker
+FLEET_MAX_LOAD = CONFIG.fleet_max_load  # requests in flight before routing passes a worker by
+QUOTA_CONCURRENCY_LEASE_SECONDS = CONFIG.quota_concurrency_lease_seconds
 # The platform's own Redis keys: rate-limit counters (portal.quotas), spooled ledger rows
 # (portal.usage.spool).
 QUOTA_KEY_PREFIX = f"{CONFIG.redis_key_prefix}quota:"

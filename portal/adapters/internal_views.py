@@ -40,7 +40,7 @@ CHUNK = 1 << 16
 
 def _refusal(request: HttpRequest) -> JsonResponse | None:
     """None when the request carries the fleet token; otherwise the response refusing it."""
-    token = getattr(settings, "INFERENCE_ADMIN_TOKEN", None)
+    token = settings.INFERENCE_ADMIN_TOKEN
     if not token:
         return JsonResponse(
             {"error": "this portal has no INFERENCE_ADMIN_TOKEN configured, so it serves no adapter files; "

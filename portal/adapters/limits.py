@@ -57,13 +57,14 @@ def max_upload_bytes() -> int:
 
 
 def max_extracted_bytes() -> int:
-    """The most an archive may unpack to (declared and actual): twice the upload limit by default."""
-    return int(getattr(settings, "ADAPTER_MAX_EXTRACTED_BYTES", None) or 2 * max_upload_bytes())
+    """The most an archive may unpack to (declared and actual): twice the upload limit by default
+    (ADAPTER_MAX_EXTRACTED_BYTES)."""
+    return int(settings.ADAPTER_MAX_EXTRACTED_BYTES)
 
 
 def max_archive_files() -> int:
     """The most entries an archive may hold (a PEFT directory has two files and a README)."""
-    return int(getattr(settings, "ADAPTER_MAX_ARCHIVE_FILES", None) or 64)
+    return int(settings.ADAPTER_MAX_ARCHIVE_FILES)
 
 
 def tenant_storage_used(*, tenant: Tenant) -> int:

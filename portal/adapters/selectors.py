@@ -80,10 +80,10 @@ def audit_event_list(*, tenant: Tenant) -> QuerySet[AuditEvent]:
 def base_shapes_current() -> BaseShapes:
     """The shapes uploads are validated against: the fleet's base model as its workers describe
     it (GET /v1/base_model, polled into InferenceWorker.base_config), else the default
-    SmolLM2-135M-Instruct with max rank settings.ADAPTER_MAX_LORA_RANK (16 when unset)."""
+    SmolLM2-135M-Instruct with max rank settings.ADAPTER_MAX_LORA_RANK (16 by default)."""
     from portal.fleet.selectors import base_model_config
 
-    max_rank = int(getattr(settings, "ADAPTER_MAX_LORA_RANK", None) or SMOLLM2_135M.max_lora_rank)
+    max_rank = int(settings.ADAPTER_MAX_LORA_RANK)
     shapes = BaseShapes.from_config(base_model_config(), default_max_rank=max_rank)
     if shapes is not None:
         return shapes

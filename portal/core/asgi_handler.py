@@ -11,6 +11,7 @@ text elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import import_module
 from types import SimpleNamespace
 
@@ -27,7 +28,6 @@ from portal.core.body_guard import (
     send_response,
 )
 from portal.core.db import db_sync_to_async
-from portal.keys.selectors import api_key_authenticate
 
 ANONYMOUS_BODY_BYTES = 1 << 20
 # Multipart boundaries, part headers and the form's small fields around the uploaded files.
@@ -41,29 +41,30 @@ def _session_user_is_active(session_key: str) -> bool:
     return bool(user.is_authenticated and user.is_active)
 
 
-def _key_is_usable(plaintext: str) -> bool:
-    api_key = api_key_authenticate(plaintext)
-    return api_key is not None and api_key.tenant.is_active
-
-
-async def authenticated(scope: dict) -> bool:
-    """A signed-in user's session cookie or a usable API key in the request's headers."""
-    authorization = header(scope, "authorization") or ""
-    scheme, _, token = authorization.strip().partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return await db_sync_to_async(_key_is_usable)(token.strip())
-    session_key = parse_cookie(header(scope, "cookie") or "").get(settings.SESSION_COOKIE_NAME)
-    if session_key:
-        return await db_sync_to_async(_session_user_is_active)(session_key)
-    return False
-
-
 class PortalASGIHandler(GuardedASGIHandler):
+    """api_key_is_usable: plaintext API key -> whether it may act (portal.asgi passes the keys
+    app's; core imports no app)."""
+
+    def __init__(self, *, api_key_is_usable: Callable[[str], bool]):
+        super().__init__()
+        self._api_key_is_usable = api_key_is_usable
+
+    async def authenticated(self, scope: dict) -> bool:
+        """A signed-in user's session cookie or a usable API key in the request's headers."""
+        authorization = header(scope, "authorization") or ""
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return await db_sync_to_async(self._api_key_is_usable)(token.strip())
+        session_key = parse_cookie(header(scope, "cookie") or "").get(settings.SESSION_COOKIE_NAME)
+        if session_key:
+            return await db_sync_to_async(_session_user_is_active)(session_key)
+        return False
+
     async def body_limit(self, scope: dict) -> int:
         length = declared_length(scope)
         if length is not None and length <= ANONYMOUS_BODY_BYTES:
             return ANONYMOUS_BODY_BYTES
-        if not await authenticated(scope):
+        if not await self.authenticated(scope):
             if length is None:
                 return ANONYMOUS_BODY_BYTES  # chunked: read, but no further than an anonymous body
             raise BodyRejected(401, "Sign in or send an API key (Authorization: Bearer sk-...) "

@@ -27,8 +27,7 @@ from django.db.models import F
 from portal.fleet.models import RESIDENT_TIERS, InferenceWorker, normalize_worker_url
 
 # Requests (running + waiting) above which a worker stops attracting its resident adapters'
-# traffic; the engine's default batch is 128 sequences. settings.FLEET_MAX_LOAD overrides.
-DEFAULT_MAX_LOAD = 64
+# traffic: settings.FLEET_MAX_LOAD (64 by default; the engine's default batch is 128 sequences).
 BASE_KEY = "base"
 
 
@@ -45,7 +44,7 @@ def route_candidates(*, lora_name: str | None, max_load: int | None = None) -> l
     every poll failing) it falls back to settings.INFERENCE_URLS, minus workers disabled in
     the admin, in rendezvous order. An empty list means there is nowhere to send it."""
     if max_load is None:
-        max_load = getattr(settings, "FLEET_MAX_LOAD", DEFAULT_MAX_LOAD)
+        max_load = settings.FLEET_MAX_LOAD
     workers = list(InferenceWorker.objects.filter(enabled=True, healthy=True))
     if workers:
         return rank_workers(workers, lora_name=lora_name, max_load=max_load)

@@ -23,6 +23,12 @@ def api_key_authenticate(plaintext: str) -> ApiKey | None:
     )
 
 
+def api_key_is_usable(plaintext: str) -> bool:
+    """Whether this secret may act now: a usable key of an active tenant."""
+    api_key = api_key_authenticate(plaintext)
+    return api_key is not None and api_key.tenant.is_active
+
+
 def api_key_list(*, tenant: Tenant, usable_only: bool = False) -> QuerySet[ApiKey]:
     keys = ApiKey.objects.filter(tenant=tenant).order_by("-created_at")
     return _usable(keys) if usable_only else keys

@@ -23,6 +23,8 @@ from datetime import UTC, datetime
 wall_clock = time.time  # the one clock of the quota code; tests replace it
 WINDOW_MS = 60_000
 UNLIMITED = -1  # how a None limit travels to the Lua script
+SETTLED_TTL_MS = 86_400_000  # how long a settled admission is remembered (idempotent settle)
+CONCURRENCY_RETRY_MS = 1000  # a slot frees when some request ends; nothing better to promise
 
 REQUESTS_PER_MINUTE = "requests_per_minute"
 TOKENS_PER_MINUTE = "tokens_per_minute"

@@ -16,13 +16,10 @@ import weakref
 import redis
 import redis.asyncio
 
-from portal.quotas.backends import (
-    CONCURRENCY_RETRY_MS,
-    SETTLED_TTL_MS,
-    lease_ms,
-)
 from portal.quotas.limits import (
+    CONCURRENCY_RETRY_MS,
     LIMIT_CODES,
+    SETTLED_TTL_MS,
     WINDOW_MS,
     AdmitOutcome,
     Clock,
@@ -32,6 +29,7 @@ from portal.quotas.limits import (
     SettleTicket,
     month_counter_ttl_ms,
 )
+from portal.quotas.runtime import lease_ms
 
 # KEYS, per scope i (1-based): [3i-2] window hash {start, req, tok}, [3i-1] in-flight zset
 #   (member request id, score lease expiry ms), [3i] this month's token counter.

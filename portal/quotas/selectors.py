@@ -5,9 +5,10 @@ from __future__ import annotations
 from django.db.models import Q
 
 from portal.keys.models import ApiKey
-from portal.quotas.backends import get_backend, key_prefix
+from portal.quotas.backends import get_backend
 from portal.quotas.limits import LIMIT_CODES, WINDOW_MS, Clock, ScopeSpec
 from portal.quotas.models import LIMIT_FIELDS, Quota
+from portal.quotas.runtime import key_prefix
 from portal.tenants.models import Tenant
 from portal.tenants.plans import plan_for
 

@@ -125,7 +125,7 @@ def spool_key(suffix: str = "") -> str:
 
 
 def _redis() -> redis.Redis | None:
-    url = getattr(settings, "REDIS_URL", None)
+    url = settings.REDIS_URL
     if not url:
         return None
     return redis.Redis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT, socket_timeout=REDIS_TIMEOUT)

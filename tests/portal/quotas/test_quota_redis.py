@@ -9,6 +9,7 @@ import redis
 
 from portal.quotas import backends
 from portal.quotas.limits import Clock, ScopeSpec, SettleTicket
+from portal.quotas.memory_backend import MemoryQuotaBackend
 from portal.quotas.redis_backend import ADMIT_LUA, SETTLE_LUA, RedisQuotaBackend
 
 REDIS_URL = os.environ.get("REDIS_URL")
@@ -133,5 +134,5 @@ def test_many_gateways_with_their_own_connections_admit_exactly_the_limit(redis_
 def test_without_redis_url_the_backend_is_in_process(settings):
     settings.REDIS_URL = None
 
-    assert isinstance(backends.get_backend(), backends.MemoryQuotaBackend)
+    assert isinstance(backends.get_backend(), MemoryQuotaBackend)
     assert backends.get_backend() is backends.get_backend()

@@ -7,7 +7,7 @@ from django.core.management import CommandError, call_command
 from portal.adapters.models import AdapterVersion
 from portal.adapters.staging import version_stage_enqueue as real_stage_enqueue
 from portal.config import WebConfig
-from portal.core.services import DEMO_ADAPTERS
+from portal.demo.services import DEMO_ADAPTERS
 from portal.keys.models import ApiKey
 from portal.keys.selectors import api_key_authenticate
 from portal.tenants.models import Membership, Tenant
@@ -29,7 +29,7 @@ def demo_adapters(settings, tmp_path, monkeypatch):
     shipped = tmp_path / "demo-adapters"
     for seed, name in enumerate(DEMO_ADAPTERS):
         write_peft(shipped / name, TINY, seed=seed)
-    monkeypatch.setattr("portal.core.services.DEMO_ADAPTERS_DIR", shipped)
+    monkeypatch.setattr("portal.demo.services.DEMO_ADAPTERS_DIR", shipped)
     monkeypatch.setattr("portal.adapters.selectors.base_shapes_current", lambda: TINY)
     staged = []
     monkeypatch.setattr("portal.adapters.staging.version_stage_enqueue", lambda *, version: staged.append(version))

@@ -1,4 +1,4 @@
-"""Writes that span apps: the demo data the run command creates."""
+"""The demo data `make run` creates (manage.py bootstrap_demo): writes that span the apps."""
 
 from dataclasses import dataclass
 from pathlib import Path

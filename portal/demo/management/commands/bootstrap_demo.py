@@ -4,7 +4,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from portal.core.services import DEMO_ADMIN_USERNAME, demo_adapters_register, demo_bootstrap
+from portal.demo.services import DEMO_ADMIN_USERNAME, demo_adapters_register, demo_bootstrap
 
 DEFAULT_DEMO_PASSWORD = "admin"
 
