@@ -193,3 +193,64 @@ def test_make_run_keeps_what_the_environment_sets() -> None:
     on_every_interface = run.local_environment({}, web_host="0.0.0.0", web_port="9000")
     assert on_every_interface["PORTAL_INTERNAL_URL"] == "http://127.0.0.1:9000"
     assert on_every_interface["INFERENCE_PORTAL_ORIGINS"] == "http://127.0.0.1:9000"
+
+
+def _third_party_imports(*packages: str) -> set[str]:
+    """Top-level modules imported anywhere in these packages that are neither the standard
+    library nor the project's own."""
+    import ast
+    import sys
+
+    own = {"portal", "inference", "kernels", "protocol"}
+    found = set()
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                found |= {name.split(".")[0] for name in names}
+    return {name for name in found if name not in own and name not in sys.stdlib_module_names}
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _distributions(modules: set[str]) -> set[str]:
+    from importlib.metadata import packages_distributions
+
+    mapping = packages_distributions()
+    return {_normalized(dist) for module in modules for dist in mapping.get(module, [module])}
+
+
+def _required(name: str) -> set[str]:
+    """The distributions a requirements file installs: those it names and what they require
+    (installed here, so their metadata says; optional extras' requirements left out)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    todo = [re.split(r"[\[<>=!~ ]", line, maxsplit=1)[0] for line in requirement_lines(name)]
+    seen: set[str] = set()
+    while todo:
+        dist = _normalized(todo.pop())
+        if dist in seen:
+            continue
+        seen.add(dist)
+        try:
+            needs = requires(dist) or []
+        except PackageNotFoundError:
+            continue
+        todo += [re.split(r"[\[<>=!~ ;(]", need, maxsplit=1)[0] for need in needs if "extra ==" not in need]
+    return seen
+
+
+@pytest.mark.parametrize(("image", "packages", "extra"), [
+    ("requirements-web.txt", ("portal", "protocol"), set()),
+    ("requirements-inference.txt", ("inference", "kernels", "protocol"), {"torch"}),  # torch: its own index
+])
+def test_each_image_installs_what_its_code_imports(image, packages, extra) -> None:
+    missing = _distributions(_third_party_imports(*packages)) - _required(image) - extra
+    assert not missing, f"{image} lacks what {', '.join(packages)} import: {sorted(missing)}"
