@@ -1,1 +1,2 @@
-"""Multi-LoRA: adapter format and validation (adapter.py, validation.py), cache, LoRA layers."""
+"""Multi-LoRA: adapter loading (adapter.py; the format's rules are protocol.adapter_format, wired in
+validation.py), the adapter manager (manager.py), the two-tier cache (cache.py), device slots (slots.py)."""

@@ -8,8 +8,9 @@ The directory is what PEFT's `save_pretrained` writes: adapter_config.json and
 adapter_model.safetensors with tensors named
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`
 (A [r, in_features], B [out_features, r], HF's unfused q/k/v and gate/up projections).
-Everything in `validation` runs before the adapter exists, so a caller that receives one may
-evict/insert it into caches; a bad one raises AdapterError and nothing else happens.
+Every rule (protocol.adapter_format, through `validation`) runs before the adapter exists, and
+each value is checked as it is read, so a caller that receives one may evict/insert it into
+caches; a bad one raises AdapterError and nothing else happens.
 
 The id is the sha256 of the config and of every tensor's name, dtype, shape and bytes as
 stored: different weights under the same name get a new id; the same content under two names
@@ -30,6 +31,7 @@ import torch
 
 from inference.lora import validation as v
 from inference.models.config import LlamaConfig
+from protocol.adapter_format import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,9 @@ def load_adapter(
 ) -> LoRAAdapter:
     """Validate and load the PEFT LoRA directory `path` for the base `base_config`.
 
-    Raises AdapterError("adapter 'NAME': REASON") for anything we refuse (see validation);
-    ValueError for bad arguments. Reads safetensors only (never unpickles anything).
+    Raises AdapterError("adapter 'NAME': REASON") for anything we refuse, the first reason the
+    rules give (see protocol.adapter_format); ValueError for bad arguments. Reads safetensors
+    only (never unpickles anything), each tensor once.
     """
     if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
         raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
@@ -103,30 +106,27 @@ def load_adapter(
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     directory = Path(path)
 
-    v.check_directory(name, directory)
-    config = v.read_config(name, directory)
-    settings = v.parse_settings(name, config, max_lora_rank)
-    targets = v.resolve_targets(name, settings, base_config)  # {(layer, module): (rank, alpha)}
+    check = v.check_adapter(
+        name, directory, base_config, max_lora_rank=max_lora_rank, strict=strict_base_match
+    )
+    settings, targets, header = check.settings, check.targets, check.header
 
     digest = hashlib.sha256(b"peft-lora\0")
-    digest.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    weights: dict[tuple[int, str], LoRAModuleWeights] = {}
-    with v.open_weights(name, directory / v.WEIGHTS_FILE) as f:
-        header = v.read_header(name, f)
-        pairs = v.check_tensors(name, header, targets, base_config)  # shapes checked, no data read
-        warning = v.check_base_model(
-            name, settings.base_model_name_or_path, base_config.name, strict_base_match
-        )
-        stored: dict[str, torch.Tensor] = {}
+    digest.update(json.dumps(check.config, sort_keys=True, separators=(",", ":")).encode())
+    stored: dict[str, torch.Tensor] = {}
+    with v.open_weights(name, directory / WEIGHTS_FILE) as f:
         for key in sorted(header):
             tensor = f.get_tensor(key)
+            info = header[key]  # what the rules judged; the file must not have changed since
+            if v.SAFETENSORS_DTYPES.get(tensor.dtype) != info.dtype or tensor.shape != info.shape:
+                raise v.AdapterError(name, f"{WEIGHTS_FILE} changed while it was being loaded")
             v.check_finite(name, key, tensor)
-            dtype_name, shape = header[key]
-            digest.update(f"\0{key}\0{dtype_name}\0{list(shape)}\0".encode())
+            digest.update(f"\0{key}\0{info.dtype}\0{list(info.shape)}\0".encode())
             digest.update(tensor.contiguous().view(torch.uint8).numpy())
             stored[key] = tensor
 
-    for (layer, module), (key_a, key_b) in pairs.items():
+    weights: dict[tuple[int, str], LoRAModuleWeights] = {}
+    for (layer, module), (key_a, key_b) in check.pairs.items():
         rank, alpha = targets[(layer, module)]
         scale = settings.scale(rank, alpha)
         a = stored[key_a].to(dtype).contiguous()  # [r, in]
@@ -135,6 +135,8 @@ def load_adapter(
         v.check_finite(name, f"{key_a} (as {dtype})", a)
         weights[(layer, module)] = LoRAModuleWeights(a=a, b=b, scale=scale)
 
+    # accepted with a note (an unverifiable base name): logged and kept, named like an error
+    warning = f"adapter {name!r}: {check.warnings[0]}" if check.warnings else None
     if warning is not None:
         log.warning(warning)
     return LoRAAdapter(

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inference.lora.adapter import LoRAAdapter, load_adapter
-from inference.lora.validation import SUPPORTED_MODULES, WEIGHTS_FILE
+from protocol.adapter_format import SUPPORTED_MODULES, WEIGHTS_FILE
 from tests.inference.lora.peft_adapters import (
     BASE_MODEL_ID,
     peft_lora_module,

@@ -13,32 +13,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from portal.adapters.validation import BaseShapes, module_path
-
-# A base small enough to make adapters in microseconds; its name is the default model's, so the
-# base-model check compares names as it would in production.
-TINY = BaseShapes(
-    name="HuggingFaceTB/SmolLM2-135M-Instruct",
-    num_hidden_layers=2,
-    hidden_size=16,
-    intermediate_size=32,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    max_lora_rank=8,
-)
-
-
-def peft_config(**overrides) -> dict:
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
-        "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "bias": "none", "target_modules": ["q_proj", "v_proj"],
-        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
-    }  # fmt: skip
-    config.update(overrides)
-    return config
+from protocol.adapter_format import BaseShapes, module_path
+from tests.protocol.adapter_format.peft_files import TINY
+from tests.protocol.adapter_format.peft_files import lora_config as peft_config
 
 
 def peft_tensors(base: BaseShapes = TINY, *, rank: int = 4, targets=("q_proj", "v_proj"), seed: int = 0,

@@ -144,7 +144,7 @@ def _bad_adapters(tmp_path):
         "bad config": (bad_config("cfg"), "adapter_config.json is not valid JSON"),
         "DoRA": (d("dora", config=peft_config(use_dora=True)), "DoRA adapters are not supported"),
         "modules_to_save": (d("mts", config=peft_config(modules_to_save=["lm_head"])), "modules_to_save"),
-        "rank over max": (d("rank", rank=16, config=peft_config(r=16)), "r = 16 is above the fleet's max LoRA rank of 8"),
+        "rank over max": (d("rank", rank=16, config=peft_config(r=16)), "r = 16 is above max_lora_rank = 8"),
         "unsupported module": (d("mod", config=peft_config(target_modules=["embed_tokens"])), "not a supported target module"),
         "wrong shapes": (d("shape", edit=wrong_shape), "has shape [4, 99]"),
         "NaN": (d("nan", edit=poison(np.nan)), "contains NaN values"),

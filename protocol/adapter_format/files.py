@@ -1,8 +1,8 @@
-"""Which files of an uploaded PEFT adapter directory are the adapter, which are harmless
-companions (accepted, never stored, never sent to a worker), and which are refused.
+"""Which files a PEFT adapter directory may hold: the two that are the adapter, the harmless
+companions the training tools write beside them, and what is refused.
 
-The training tools write more than the two adapter files, and a tenant uploads the directory as
-they wrote it (checked against PEFT 0.21 and transformers 5 in the venv):
+The training tools write more than the two adapter files (checked against PEFT 0.21 and
+transformers 5):
 
     PeftModel.save_pretrained   adapter_config.json, adapter_model.safetensors, README.md (model card)
     tokenizer.save_pretrained   tokenizer.json, tokenizer_config.json, special_tokens_map.json,
@@ -14,25 +14,30 @@ they wrote it (checked against PEFT 0.21 and transformers 5 in the venv):
     Trainer checkpoints         trainer_state.json, optimizer.pt, scheduler.pt, rng_state.pth (pickles)
     save_metrics, hub, OS       all_results.json, train_results.json, .gitattributes, .DS_Store, __MACOSX/
 
-Rules, first match wins (`rel` is the path inside the directory, "/"-separated):
-    a pickle suffix anywhere (.bin .pt .pth .pkl .pickle .ckpt)   refused: never opened, never stored
+`file_role` judges one file, first match wins (`rel` is the path inside the directory, "/"-separated):
+    a pickle suffix anywhere (.bin .pt .pth .pkl .pickle .ckpt)   refused: never opened
     a hidden file or folder, __MACOSX/, Thumbs.db, desktop.ini     ignored (OS and tool metadata)
     adapter_config.json / adapter_model.safetensors at the top     the adapter
-    the same names in a subfolder                                  refused (one adapter per version)
+    the same names in a subfolder                                  refused (one adapter per directory)
     a SentencePiece tokenizer model by its exact name              ignored
     a text file (.md .txt .json .jinja .yaml .yml, LICENSE,        ignored when its first bytes hold no
         NOTICE)                                                    NUL (a binary named like text is refused)
     any other file                                                 refused, naming it and why
 
-Ignored files are never stored, so their content is never trusted; refusing unknown binaries
-catches the wrong upload early (full model weights, an optimizer dump) with a clear reason.
+Two policies apply it to a directory (`directory_reasons`):
+    upload=True    a tenant's upload: every rule above, and links refused (the portal stores only
+                   the two adapter files, so an ignored file's content is never trusted)
+    upload=False   a directory the engine is asked to load: only the pickle rule, for files and
+                   folders alike; anything else beside the two files is never opened, so it is
+                   left alone
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -43,12 +48,6 @@ TEXT_NAMES = ("LICENSE", "NOTICE")
 SENTENCEPIECE_MODELS = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 OS_METADATA = ("__MACOSX", "Thumbs.db", "desktop.ini")
 SNIFF_BYTES = 8192  # enough to tell text from binary: binaries hold NUL bytes early
-
-EXPECTED = (
-    f"upload the two PEFT files ({CONFIG_FILE} and {WEIGHTS_FILE}) or one .zip/.tar.gz of the directory; "
-    "the README.md model card, tokenizer, chat-template and other text files that save_pretrained or the "
-    "Trainer write beside them are accepted and ignored"
-)
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ def file_role(rel: str, *, read_head: Callable[[], bytes]) -> FileRole:
     name = parts[-1]
     suffix = PurePosixPath(name).suffix.lower()
     if suffix in PICKLE_SUFFIXES:
-        return FileRole("refused", _pickle_reason(rel, name, suffix))
+        return FileRole("refused", pickle_reason(rel))
     if any(p.startswith(".") or p in OS_METADATA for p in parts):
         return IGNORED
     if name in ADAPTER_FILES:
@@ -87,7 +86,9 @@ def file_role(rel: str, *, read_head: Callable[[], bytes]) -> FileRole:
         return IGNORED
     if suffix in TEXT_SUFFIXES or name in TEXT_NAMES:
         if b"\x00" in read_head()[:SNIFF_BYTES]:
-            return FileRole("refused", f"{rel} is named like a text file but holds binary data; leave it out")
+            return FileRole(
+                "refused", f"{rel} is named like a text file but holds binary data; leave it out"
+            )
         return IGNORED
     if suffix == ".safetensors":
         return FileRole(
@@ -102,11 +103,64 @@ def file_role(rel: str, *, read_head: Callable[[], bytes]) -> FileRole:
     )
 
 
-def _pickle_reason(rel: str, name: str, suffix: str) -> str:
+def is_pickle(rel: str) -> bool:
+    return PurePosixPath(rel.replace("\\", "/")).suffix.lower() in PICKLE_SUFFIXES
+
+
+def pickle_reason(rel: str) -> str:
+    name = PurePosixPath(rel.replace("\\", "/")).name
+    suffix = PurePosixPath(name).suffix.lower()
     if name.startswith("adapter_model"):
-        hint = f"save the adapter with save_pretrained(safe_serialization=True) and upload {WEIGHTS_FILE}"
+        hint = (
+            "save the adapter with save_pretrained(safe_serialization=True) and use the "
+            f"{WEIGHTS_FILE} it writes"
+        )
     elif name == "training_args.bin":
-        hint = "it holds the HF Trainer's TrainingArguments, which serving does not need: leave it out"
+        hint = (
+            "it holds the HF Trainer's TrainingArguments, which serving does not need: leave it out"
+        )
     else:
         hint = "it is not part of the adapter (optimizer, scheduler or other training state?): leave it out"
     return f"{rel} is a pickle file ({suffix}); pickles are never opened, only safetensors are accepted: {hint}"
+
+
+# --- a whole directory -------------------------------------------------------------------------
+
+
+def directory_reasons(directory: Path, *, upload: bool) -> list[str]:
+    """Every file the policy refuses (walk order: top down, names sorted), then each adapter file
+    that is missing from the top of `directory` (see the module docstring for `upload`)."""
+    reasons = []
+    for rel, path in _entries(directory):
+        if not upload:
+            if is_pickle(rel):
+                reasons.append(pickle_reason(rel))
+        elif path.is_symlink():
+            reasons.append(f"{rel} is a symbolic link; links are not accepted")
+        elif path.is_file():
+            role = file_role(rel, read_head=lambda p=path: _head(p))
+            if role.refused:
+                reasons.append(role.reason)
+    reasons += [
+        f"missing {name}" for name in ADAPTER_FILES if not present(directory / name, upload=upload)
+    ]
+    return reasons
+
+
+def present(path: Path, *, upload: bool) -> bool:
+    """An adapter file is there to be read (an upload's may not be a link)."""
+    return path.is_file() and not (upload and path.is_symlink())
+
+
+def _entries(directory: Path) -> Iterator[tuple[str, Path]]:
+    """(path relative to `directory`, path) of every file and folder below it; symlinked
+    folders are listed, never followed."""
+    for root, dirs, files in os.walk(directory):
+        for entry in sorted(dirs + files):
+            path = Path(root) / entry
+            yield path.relative_to(directory).as_posix(), path
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(SNIFF_BYTES)
