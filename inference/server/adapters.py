@@ -1,5 +1,6 @@
 """Adapter management routes, compatible with vLLM's (`/v1/load_lora_adapter`,
-`/v1/unload_lora_adapter`), plus pin/unpin and a listing with each adapter's cache state.
+`/v1/unload_lora_adapter`), plus pin/unpin and a listing with each adapter's cache state. The
+routes, bodies and error codes are protocol.worker_api's, shared with the portal's client.
 
 A load names its adapter either by a local directory (`lora_path`, vLLM's field) or by a URL
 to fetch it from (`lora_url` + `files` {filename: sha256}, optional `auth_token` sent to that
@@ -19,24 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import Field
 
-from inference.lora.validation import AdapterError
+from inference.lora.errors import AdapterError
 from inference.server.errors import APIError
 from inference.server.fetch import FetchError, FetchSettings, fetch_adapter
-from inference.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
-
-
-class LoadLoraAdapterRequest(LoadAdapterRequest):
-    """vLLM's body, plus a fetchable source: exactly one of lora_path / lora_url."""
-
-    lora_path: Annotated[str, Field(min_length=1)] | None = None
-    lora_url: Annotated[str, Field(min_length=1, max_length=2000)] | None = None
-    files: dict[str, str] | None = None
-    auth_token: str | None = None
+from inference.server.protocol import LoadLoraAdapterRequest, UnloadAdapterRequest
+from protocol import worker_api
 
 
 def _require_admin(request: Request) -> None:
@@ -47,7 +38,7 @@ def _require_admin(request: Request) -> None:
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
         raise APIError(401, "adapter routes need 'Authorization: Bearer <admin token>'",
-                       type="authentication_error", code="invalid_admin_token")
+                       type="authentication_error", code=worker_api.INVALID_ADMIN_TOKEN)
 
 
 router = APIRouter(dependencies=[Depends(_require_admin)])
@@ -76,35 +67,35 @@ def _engine(request: Request):
 
 
 def _not_found(name: str) -> APIError:
-    return APIError(404, f"adapter '{name}' is not registered", param="lora_name", code="adapter_not_found")
+    return APIError(404, f"adapter '{name}' is not registered", param="lora_name",
+                    code=worker_api.ADAPTER_NOT_FOUND)
 
 
-@router.post("/v1/load_lora_adapter")
+@router.post(worker_api.LOAD_ADAPTER)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> dict:
     engine = _engine(request)
     if body.lora_name in request.app.state.serving.served_names:
         raise APIError(400, f"lora_name: '{body.lora_name}' is the base model's name", param="lora_name")
-    if (body.lora_path is None) == (body.lora_url is None):
-        raise APIError(400, "give exactly one of lora_path (a local directory) or lora_url (with files)",
-                       param="lora_path")
-    path = body.lora_path
-    if body.lora_url is not None:
-        if body.files is None:
-            raise APIError(400, "files: lora_url needs files {filename: sha256}", param="files")
+    try:
+        load = body.to_protocol()
+    except worker_api.BodyError as exc:  # one source, and a URL with its files
+        raise APIError(400, exc.message, param=exc.param) from None
+    path = load.lora_path
+    if load.lora_url is not None:
         try:
-            path = str(await fetch_adapter(lora_name=body.lora_name, lora_url=body.lora_url, files=body.files,
+            path = str(await fetch_adapter(lora_name=load.lora_name, lora_url=load.lora_url, files=load.files,
                                            allowed_origins=request.app.state.portal_origins,
-                                           auth_token=body.auth_token, settings=_fetch_settings(request)))
+                                           auth_token=load.auth_token, settings=_fetch_settings(request)))
         except FetchError as exc:
-            raise APIError(400, f"adapter '{body.lora_name}': {exc.message}", param=exc.param,
+            raise APIError(400, f"adapter '{load.lora_name}': {exc.message}", param=exc.param,
                            code=exc.code) from None
     try:
-        future = engine.add_adapter(body.lora_name, path, pin=body.pin, wait=False)
+        future = engine.add_adapter(load.lora_name, path, pin=load.pin, wait=False)
         info = await asyncio.wrap_future(future)
     except AdapterError as exc:
-        raise APIError(400, str(exc), param="lora_path", code="adapter_invalid") from None
+        raise APIError(400, str(exc), param="lora_path", code=worker_api.ADAPTER_INVALID) from None
     except ValueError as exc:  # e.g. pinning more than max_loras - 1
-        raise APIError(400, str(exc), param="pin" if body.pin else "lora_path") from None
+        raise APIError(400, str(exc), param="pin" if load.pin else "lora_path") from None
     return {"object": "adapter", **adapter_json(info)}
 
 
@@ -120,7 +111,7 @@ def _fetch_settings(request: Request) -> FetchSettings:
     return settings
 
 
-@router.post("/v1/unload_lora_adapter")
+@router.post(worker_api.UNLOAD_ADAPTER)
 async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request) -> dict:
     engine = _engine(request)
     try:
@@ -137,24 +128,24 @@ async def _pin(request: Request, name: str, pinned: bool) -> dict:
     except LookupError:
         raise _not_found(name) from None
     except ValueError as exc:
-        raise APIError(400, str(exc), param="name", code="too_many_pinned") from None
+        raise APIError(400, str(exc), param="name", code=worker_api.TOO_MANY_PINNED) from None
     info = next((a for a in engine.list_adapters() if a.name == name), None)
     if info is None:
         raise _not_found(name)
     return {"object": "adapter", **adapter_json(info)}
 
 
-@router.post("/v1/adapters/{name}/pin")
+@router.post(worker_api.PIN_ADAPTER)
 async def pin_adapter(name: str, request: Request) -> dict:
     return await _pin(request, name, True)
 
 
-@router.post("/v1/adapters/{name}/unpin")
+@router.post(worker_api.UNPIN_ADAPTER)
 async def unpin_adapter(name: str, request: Request) -> dict:
     return await _pin(request, name, False)
 
 
-@router.get("/v1/adapters")
+@router.get(worker_api.ADAPTERS)
 async def list_adapters(request: Request) -> dict:
     engine = _engine(request)
     return {"object": "list", "data": [adapter_json(a) for a in engine.list_adapters()]}

@@ -1,4 +1,5 @@
-"""Every error the API returns, in OpenAI's shape, mapped in one place.
+"""Every error the API returns, in OpenAI's shape (protocol.worker_api.ErrorObject, the object
+the portal reads back), mapped in one place.
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
@@ -15,6 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from protocol import worker_api
+from protocol.worker_api import ErrorObject
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +41,15 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorObject(self.message, type=self.type, param=self.param, code=self.code).to_json()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return APIError(404, f"The model `{model}` does not exist.", param="model",
+                    code=worker_api.MODEL_NOT_FOUND)
 
 
 def from_value_error(exc: ValueError, *, prompt_param: str = "prompt") -> APIError:
@@ -90,7 +95,7 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         if others:
             message += f" (also invalid: {', '.join(others)})"
     # OpenAI's code for a parameter the model does not take (protocol.UNSUPPORTED_*_FIELDS).
-    code = "unsupported_parameter" if first.get("type") == "unsupported_parameter" else None
+    code = worker_api.UNSUPPORTED_PARAMETER if first.get("type") == worker_api.UNSUPPORTED_PARAMETER else None
     return APIError(400, message, param=param, code=code)
 
 

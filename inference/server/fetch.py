@@ -41,10 +41,9 @@ from urllib.parse import urlsplit
 import httpx
 
 from inference.config import url_origin
+from protocol import worker_api
+from protocol.adapter_format import ADAPTER_FILES, CONFIG_FILE
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-PEFT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few KB
 CHUNK = 1 << 16
 
@@ -101,14 +100,14 @@ def check_source(lora_url: str, allowed_origins: Collection[str]) -> None:
     if not allowed_origins:
         raise FetchError(f"lora_url: this worker fetches adapters only from its portal origins and none is "
                          f"configured: set {hint} to the portal's origin, e.g. http://portal:8000",
-                         param="lora_url", code="adapter_source_forbidden")
+                         param="lora_url", code=worker_api.ADAPTER_SOURCE_FORBIDDEN)
     try:
         origin = url_origin(lora_url)
     except ValueError as exc:
-        raise FetchError(f"lora_url: {exc}", param="lora_url", code="adapter_source_forbidden") from None
+        raise FetchError(f"lora_url: {exc}", param="lora_url", code=worker_api.ADAPTER_SOURCE_FORBIDDEN) from None
     if origin not in allowed_origins:
         raise FetchError(f"lora_url: {origin} is not one of this worker's portal origins: add it to {hint} "
-                         "if adapters should be fetched from it", param="lora_url", code="adapter_source_forbidden")
+                         "if adapters should be fetched from it", param="lora_url", code=worker_api.ADAPTER_SOURCE_FORBIDDEN)
 
 
 def check_request(*, lora_name: str, lora_url: str, files: dict, allowed_origins: Collection[str]) -> dict[str, str]:
@@ -121,9 +120,9 @@ def check_request(*, lora_name: str, lora_url: str, files: dict, allowed_origins
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise FetchError(f"lora_url: not an http(s) URL: {_safe_url(lora_url)!r}", param="lora_url")
     check_source(lora_url, allowed_origins)
-    if not isinstance(files, dict) or set(files) != set(PEFT_FILES):
+    if not isinstance(files, dict) or set(files) != set(ADAPTER_FILES):
         got = sorted(files) if isinstance(files, dict) else type(files).__name__
-        raise FetchError(f"files: expected exactly {list(PEFT_FILES)} with their sha256, got {got}", param="files")
+        raise FetchError(f"files: expected exactly {list(ADAPTER_FILES)} with their sha256, got {got}", param="files")
     out = {}
     for name, digest in files.items():
         if not isinstance(digest, str) or not _SHA256.match(digest.lower()):
@@ -141,7 +140,7 @@ async def fetch_adapter(*, lora_name: str, lora_url: str, files: dict, allowed_o
     expected = check_request(lora_name=lora_name, lora_url=lora_url, files=files, allowed_origins=allowed_origins)
     target = settings.cache_dir / lora_name
     await asyncio.to_thread(target.mkdir, parents=True, exist_ok=True)
-    missing = [name for name in PEFT_FILES if not await asyncio.to_thread(_has, target / name, expected[name])]
+    missing = [name for name in ADAPTER_FILES if not await asyncio.to_thread(_has, target / name, expected[name])]
     if not missing:
         return target
     headers = {"authorization": f"Bearer {auth_token}"} if auth_token else {}
@@ -156,7 +155,7 @@ async def fetch_adapter(*, lora_name: str, lora_url: str, files: dict, allowed_o
                     await _fetch_one(client, base + name, target / name, expected[name], limit, headers)
     except TimeoutError:
         raise FetchError(f"fetching from {_safe_url(base)} took longer than {settings.timeout:g}s",
-                         param="lora_url", code="adapter_fetch_failed") from None
+                         param="lora_url", code=worker_api.ADAPTER_FETCH_FAILED) from None
     return target
 
 
@@ -173,7 +172,7 @@ async def _fetch_one(client: httpx.AsyncClient, url: str, dest: Path, sha256: st
                     if response.status_code != 200:
                         raise FetchError(
                             f"fetching {_safe_url(url)} answered HTTP {response.status_code}",
-                            param="lora_url", code="adapter_fetch_failed")
+                            param="lora_url", code=worker_api.ADAPTER_FETCH_FAILED)
                     declared = response.headers.get("content-length", "")
                     if declared.isdigit() and int(declared) > limit:
                         raise _too_large(name, int(declared), limit)
@@ -185,11 +184,11 @@ async def _fetch_one(client: httpx.AsyncClient, url: str, dest: Path, sha256: st
                         out.write(chunk)
             except httpx.HTTPError as exc:
                 raise FetchError(f"fetching {_safe_url(url)} failed: {type(exc).__name__}: {exc}",
-                                 param="lora_url", code="adapter_fetch_failed") from None
+                                 param="lora_url", code=worker_api.ADAPTER_FETCH_FAILED) from None
         got = digest.hexdigest()
         if got != sha256:
             raise FetchError(f"{name}: sha256 mismatch: expected {sha256}, got {got} ({size} bytes)",
-                             param="files", code="adapter_checksum_mismatch")
+                             param="files", code=worker_api.ADAPTER_CHECKSUM_MISMATCH)
         os.replace(tmp, dest)
         tmp = None
     finally:
@@ -202,7 +201,7 @@ async def _fetch_one(client: httpx.AsyncClient, url: str, dest: Path, sha256: st
 
 def _too_large(name: str, size: int, limit: int) -> FetchError:
     return FetchError(f"{name}: {size} bytes is over the limit of {limit} bytes", param="lora_url",
-                      code="adapter_too_large")
+                      code=worker_api.ADAPTER_TOO_LARGE)
 
 
 def _has(path: Path, sha256: str) -> bool:

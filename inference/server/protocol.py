@@ -4,9 +4,13 @@ Strict mode: "0.5" is not a number and `true` is not 1, as in OpenAI's API, so a
 400 naming the parameter rather than a silent coercion. Unknown fields are ignored (clients send
 many optional OpenAI fields we have no use for, like `store` or `metadata`), except the OpenAI
 parameters that would change what comes back and that the worker does not implement yet
-(UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS): asking for one is a 400 naming it, code
-`unsupported_parameter`, never a plain-text 200. Engine-side limits (context length, token ids,
-chat roles) are checked by the engine when the request is added.
+(UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS, defined with the portal's side of the wire
+in protocol.worker_api): asking for one is a 400 naming it, code `unsupported_parameter`, never a
+plain-text 200. Engine-side limits (context length, token ids, chat roles) are checked by the
+engine when the request is added.
+
+The adapter routes' bodies (LoadLoraAdapterRequest, UnloadAdapterRequest) have exactly the fields
+of protocol.worker_api's shared bodies, checked at import.
 
 Extra fields, documented for the gateway: `tenant` (who pays for the tokens; the fair scheduler
 shares the worker between tenants) and `tenant_weight` (> 0, that tenant's share). vLLM's
@@ -22,44 +26,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from inference.engine.sampling_params import MAX_LOGPROBS
+from protocol import worker_api
+from protocol.worker_api import UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS, is_harmless
 
 # A request may ask for at most this many choices (n × prompts): each is an engine request.
 MAX_CHOICES = 128
-
-# OpenAI parameters not implemented yet (tools and structured output come with the structured-output
-# issue; the others need modalities or logit processing the engine lacks). Each is refused with a 400
-# naming it rather than silently ignored, unless its value asks for nothing (HARMLESS_VALUES).
-# The gateway relays this 400 as it is (portal/ cannot import inference/; one list for both sides
-# belongs in the shared protocol package the structure issue creates).
-UNSUPPORTED_CHAT_FIELDS = (
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
-    "logit_bias", "audio", "modalities", "prediction", "web_search_options",
-)
-# OpenAI's legacy completions has logit_bias; response_format is vLLM's extension there.
-UNSUPPORTED_COMPLETION_FIELDS = ("logit_bias", "response_format")
-# Values that ask for nothing special, besides null: no tools, no forced call, plain text, no bias,
-# the default of parallel_tool_calls. Compared with their JSON type (1 is not true).
-HARMLESS_VALUES: dict[str, tuple] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True,),
-    "functions": ([],),
-    "function_call": ("none",),
-    "response_format": ({"type": "text"},),
-    "logit_bias": ({},),
-    "modalities": (["text"],),
-}
-
-
-def is_harmless(field: str, value: Any) -> bool:
-    """Whether `value` for the unsupported parameter `field` asks for nothing we would ignore."""
-    return value is None or any(type(value) is type(h) and value == h for h in HARMLESS_VALUES.get(field, ()))
 
 
 def _refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
     if not is_harmless(info.field_name, value):
         raise PydanticCustomError(
-            "unsupported_parameter",
+            worker_api.UNSUPPORTED_PARAMETER,
             "not supported yet by this server; leave it out (or send null) and the request is served as plain text",
         )
     return value
@@ -151,11 +128,36 @@ class CompletionRequest(_Sampling):
     _unsupported = field_validator(*UNSUPPORTED_COMPLETION_FIELDS)(_refuse_unsupported)
 
 
-class LoadAdapterRequest(_Body):
-    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
-    lora_path: Annotated[str, Field(min_length=1)]
+class LoadLoraAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter: vLLM's body plus a fetchable source. The fields, their limits
+    and the rule types cannot say (exactly one of lora_path / lora_url, files with a URL) are
+    protocol.worker_api.LoadAdapterBody's, the body the portal builds."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=worker_api.LORA_NAME_MAX)]
+    lora_path: Annotated[str, Field(min_length=1)] | None = None
+    lora_url: Annotated[str, Field(min_length=1, max_length=worker_api.LORA_URL_MAX)] | None = None
+    files: dict[str, str] | None = None
+    auth_token: str | None = None
     pin: bool = False
+
+    def to_protocol(self) -> worker_api.LoadAdapterBody:
+        """The shared body; worker_api.BodyError (naming the field) when it breaks a rule."""
+        return worker_api.LoadAdapterBody(**self.model_dump())
 
 
 class UnloadAdapterRequest(_Body):
-    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    """POST /v1/unload_lora_adapter (protocol.worker_api.UnloadAdapterBody)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=worker_api.LORA_NAME_MAX)]
+
+
+def require_shared_fields(schema: type[BaseModel], names: tuple[str, ...]) -> None:
+    """A schema of a shared body has exactly the shared body's fields: checked at import, so the
+    two cannot drift apart."""
+    if tuple(schema.model_fields) != names:
+        raise TypeError(f"{schema.__name__} has fields {tuple(schema.model_fields)}; "
+                        f"protocol.worker_api defines {names}")
+
+
+require_shared_fields(LoadLoraAdapterRequest, worker_api.LOAD_ADAPTER_FIELDS)
+require_shared_fields(UnloadAdapterRequest, worker_api.UNLOAD_ADAPTER_FIELDS)

@@ -4,20 +4,17 @@ the same validation, model resolution, quotas, routing, lazy adapter load and us
 
 from __future__ import annotations
 
-from portal.gateway import services as gateway
-from portal.gateway import validation
+from portal.gateway.services import CHAT, Caller, Completion, completion_stream, models_list
 from portal.tenants.models import Tenant
 
 
 async def playground_models(*, tenant: Tenant) -> list[dict]:
     """What /v1/models lists for a key of this tenant with no allow-list."""
-    return await gateway.models_list(caller=gateway.Caller(tenant))
+    return await models_list(caller=Caller(tenant))
 
 
-async def playground_completion_stream(*, tenant: Tenant, body: dict, request_id: str) -> gateway.Completion:
+async def playground_completion_stream(*, tenant: Tenant, body: dict, request_id: str) -> Completion:
     """A streamed chat completion with the usage chunk, for the session's tenant. Raises
     GatewayError before the first byte; the ledger row is written once, as for /v1."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
-    return await gateway.completion_stream(
-        caller=gateway.Caller(tenant), endpoint=validation.CHAT, body=body, request_id=request_id
-    )
+    return await completion_stream(caller=Caller(tenant), endpoint=CHAT, body=body, request_id=request_id)

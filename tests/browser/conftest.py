@@ -107,7 +107,7 @@ def live(portal_server, worker, transactional_db, settings, monkeypatch, tmp_pat
     """The live portal routed to the session's worker; uploads validated in-process (eager Celery)
     against the default model's shapes."""
     from portal.celery import app
-    from portal.gateway import services
+    from portal.gateway.resolve import base_model_forget
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     settings.INFERENCE_URLS = [worker.url]
@@ -120,7 +120,7 @@ def live(portal_server, worker, transactional_db, settings, monkeypatch, tmp_pat
     settings.STORAGES = {**settings.STORAGES, "default": {
         "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(storage)}}}
     settings.MEDIA_ROOT = str(storage)
-    services._base_cache.clear()
+    base_model_forget()
     # Staging after validation is not awaited here (eager Celery would run it inside the upload
     # request); the gateway loads the adapter lazily from the portal's download URL instead.
     settings.PORTAL_INTERNAL_URL = portal_server.url

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from protocol.worker_api import BaseModelInfo
 from tests.inference.server.conftest import ADMIN_TOKEN, TINY, TINY_ENGINE
 from tests.inference.server.tiny_lora import ADAPTERS, word_prompt
 
@@ -154,3 +155,5 @@ def test_base_model_route_describes_what_an_adapter_must_match(lora_server):
     assert body["name"] == TINY and body["num_hidden_layers"] == 3 and body["hidden_size"] == 64
     assert body["max_lora_rank"] >= 1 and body["max_loras"] >= 1
     assert {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"} <= set(body)
+    # What the portal reads back (protocol.worker_api): every field, none dropped as mistyped.
+    assert BaseModelInfo.from_json(body).to_json() == body

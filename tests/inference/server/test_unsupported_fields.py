@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from inference.server.protocol import UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS
+from protocol.worker_api import UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS
 from tests.inference.server.conftest import SERVED
 
 HI = [{"role": "user", "content": "Hi"}]

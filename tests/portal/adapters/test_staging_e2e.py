@@ -12,9 +12,9 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from portal.adapters.models import AdapterVersion
 from portal.adapters.services import adapter_create, adapter_version_retire, adapter_version_upload
-from portal.adapters.validation import BaseShapes
 from portal.fleet.models import InferenceWorker
 from portal.fleet.services import worker_poll
+from protocol.adapter_format import BaseShapes
 from tests.portal.adapters.peft_files import peft_config, write_peft
 
 TOKEN = "e2e-fleet-secret"

@@ -112,13 +112,13 @@ def gateway(django_db_setup, django_db_blocker, gateway_port) -> LiveGateway:
 @pytest.fixture
 def live(gateway, worker, transactional_db, settings) -> LiveGateway:
     """The live gateway routed to the session's worker, with per-test quota counters."""
-    from portal.gateway import services
+    from portal.gateway.resolve import base_model_forget
 
     settings.INFERENCE_URLS = [worker.url]
     settings.INFERENCE_ADMIN_TOKEN = ADMIN_TOKEN
     settings.PORTAL_INTERNAL_URL = gateway.url  # the worker's one trusted portal origin (lazy loads)
     settings.QUOTA_KEY_PREFIX = f"test:gateway:{uuid.uuid4().hex}:"
-    services._base_cache.clear()
+    base_model_forget()
     return gateway
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from inference.lora.validation import module_path, module_shapes
+from inference.lora.validation import module_shapes
 from inference.models.loader import open_checkpoint
+from protocol.adapter_format import module_path
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 

@@ -47,10 +47,10 @@ def throwaway_worker(tmp_path_factory):
 
 
 def test_worker_killed_mid_stream(acme, live, settings, throwaway_worker):
-    from portal.gateway import services
+    from portal.gateway.resolve import base_model_forget
 
     settings.INFERENCE_URLS = [throwaway_worker.url]
-    services._base_cache.clear()
+    base_model_forget()
     stream = sdk(live, acme.key).chat.completions.create(**{k: v for k, v in LONG.items() if k != "ignore_eos"},
                                                          extra_body={"ignore_eos": True})
     request_id = stream.response.headers["x-request-id"]

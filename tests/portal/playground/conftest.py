@@ -41,11 +41,11 @@ def tiny_worker(tmp_path_factory) -> ServerProcess:
 @pytest.fixture
 def live_worker(tiny_worker, transactional_db, settings) -> ServerProcess:
     """Route to the tiny worker (no fleet rows: the settings URL fallback), fresh quota counters."""
-    from portal.gateway import services
+    from portal.gateway.resolve import base_model_forget
 
     settings.INFERENCE_URLS = [tiny_worker.url]
     settings.QUOTA_KEY_PREFIX = f"test:playground:{uuid.uuid4().hex}:"
-    services._base_cache.clear()
+    base_model_forget()
     return tiny_worker
 
 

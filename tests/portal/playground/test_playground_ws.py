@@ -224,9 +224,9 @@ def acme_tenant():
 @pytest.fixture
 def bot_version(live_worker, acme_member, tmp_path):
     """A ready version of acme/bot (PEFT files for the worker's shapes), not loaded anywhere yet."""
-    from portal.adapters.validation import BaseShapes
     from portal.fleet.models import InferenceWorker
     from portal.fleet.services import worker_poll
+    from protocol.adapter_format import BaseShapes
     from tests.portal.adapters.peft_files import peft_config, write_peft
 
     row = worker_poll(worker=InferenceWorker.objects.create(url=live_worker.url, name="tiny"))

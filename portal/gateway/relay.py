@@ -1,0 +1,252 @@
+"""Getting a request to a worker and its answer back to the client.
+
+    worker_payload   the client's body as the worker gets it: the worker's model name, the tenant
+                     and its scheduling weight, the usage chunk always asked for when streaming
+    open_upstream    the routing order (portal.fleet.selectors.route_candidates), tried in turn:
+                     a connection failure, 5xx, 404, 408 or 429 moves on to the next worker; an
+                     adapter the worker does not hold is loaded there (lazy load) and asked again
+                     once; any other 4xx is the client's and is relayed (adapter names scrubbed)
+    Completion       the worker's answer: read whole (non-streaming), or relayed chunk by chunk
+                     with the public model id, the ledger fed on the way and written when the
+                     stream ends or the client leaves (a stream never started is given up after
+                     STREAM_START_GRACE)
+
+Every call to a worker goes through portal.fleet.client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from portal.core.db import db_sync_to_async
+from portal.fleet.client import (
+    AsyncWorkerClient,
+    StreamBroken,
+    async_worker_client,
+    version_load_body,
+)
+from portal.fleet.selectors import route_candidates
+from portal.gateway import validation
+from portal.gateway.auth import Caller
+from portal.gateway.errors import GatewayError, no_worker
+from portal.gateway.ledger import Ledger, run_detached
+from portal.gateway.resolve import ModelTarget
+from portal.tenants.plans import plan_for
+from protocol import worker_api
+from protocol.worker_api import WORKER_SIDE_LOAD_ERRORS, ErrorObject
+
+log = logging.getLogger(__name__)
+
+WORKER_PATHS = {validation.CHAT: worker_api.CHAT_COMPLETIONS, validation.COMPLETIONS: worker_api.COMPLETIONS}
+# A streaming Completion whose chunks() never start (the client left between the worker's 200
+# and the first relayed byte) is closed and written to the ledger after this long.
+STREAM_START_GRACE = 30.0
+
+
+def worker_payload(*, caller: Caller, body: dict, target: ModelTarget, stream: bool) -> dict:
+    payload = dict(body, model=target.worker_model, tenant=caller.tenant.slug,
+                   tenant_weight=plan_for(caller.tenant.plan).scheduling_weight)
+    if stream:  # the ledger needs the worker's count; the client sees the usage chunk only if it asked
+        payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return payload
+
+
+def _scrub(text: Any, target: ModelTarget) -> Any:
+    """Worker messages name the adapter by its internal name; clients see the public id."""
+    if isinstance(text, str) and target.version is not None:
+        return text.replace(target.worker_model, target.public_id)
+    return text
+
+
+def _relayed(status: int, error: ErrorObject, target: ModelTarget) -> GatewayError:
+    return GatewayError(
+        status,
+        _scrub(error.message or f"the inference worker answered {status}", target),
+        type=error.type or "invalid_request_error",
+        param=error.param,
+        code=error.code,
+    )
+
+
+async def _load_adapter(client: AsyncWorkerClient, url: str, target: ModelTarget) -> str | None:
+    """Ask the worker to load the version; None when loaded, else why not (this worker).
+    An adapter the worker rejects is a 400 for the client (no worker would take it)."""
+    reply = await client.load_adapter(url, version_load_body(version=target.version))
+    if reply.exception is not None:
+        return f"loading the adapter failed: {type(reply.exception).__name__}"
+    if reply.ok:
+        log.info("loaded %s (%s) on %s", target.public_id, target.worker_model, url)
+        return None
+    error = reply.error
+    if reply.status == 400 and error.code in WORKER_SIDE_LOAD_ERRORS:
+        # The worker could not reach or may not trust the portal: the operator's to fix, and
+        # another worker may do better; the tenant's adapter is not at fault.
+        log.error("worker %s could not load %s: %s", url, target.public_id, error.message)
+        return f"loading the adapter failed on the worker ({error.code})"
+    if reply.status == 400:
+        raise GatewayError(400, f"The model `{target.public_id}` could not be loaded: {_scrub(error.message, target)}",
+                           param="model", code="adapter_load_failed")
+    return f"loading the adapter answered {reply.status}: {error.message}"
+
+
+async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, ledger: Ledger):
+    """The first worker's accepted completion (a CompletionStream, body unread), trying the
+    candidates in order; 503 no_worker_available when none takes it."""
+    lora_name = target.version.worker_name if target.version is not None else None
+    candidates = await db_sync_to_async(route_candidates)(lora_name=lora_name)
+    if not candidates:
+        raise no_worker("no inference worker is configured")
+    content = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    client = async_worker_client()
+    failures: list[str] = []
+    retry_after: int | None = None
+    for worker in candidates:
+        url = worker.url.rstrip("/")
+        loaded = False
+        while True:
+            reply, stream = await client.open_completion(url, path=WORKER_PATHS[endpoint], content=content)
+            if stream is not None:
+                ledger.worker_url = url
+                return stream
+            if reply.status is None:
+                failures.append(f"{url}: {type(reply.exception).__name__}")
+                break
+            if reply.exception is not None:
+                failures.append(f"{url}: the response broke off")
+                break
+            error = reply.error
+            if (reply.status == 404 and target.version is not None and not loaded
+                    and error.code == worker_api.MODEL_NOT_FOUND):
+                why = await _load_adapter(client, url, target)
+                if why is not None:
+                    failures.append(f"{url}: {why}")
+                    break
+                loaded = True
+                continue
+            if reply.status >= 500 or reply.status in (404, 408, 429):
+                # 404 after a load: the adapter vanished again (evicted, unloaded); try elsewhere
+                failures.append(f"{url}: {reply.status} {error.message}".strip())
+                if reply.retry_after is not None:
+                    retry_after = max(retry_after or 0, reply.retry_after)
+                break
+            raise _relayed(reply.status, error, target)
+    log.warning("no worker took %s: %s", ledger.request_id, "; ".join(failures))
+    raise no_worker("; ".join(failures) or "every worker failed", retry_after=retry_after or 1)
+
+
+@dataclass
+class Completion:
+    """A request the worker accepted. Non-streaming: `json` is the answer (ledger written).
+    Streaming: iterate `chunks()` once; the ledger is written when it ends or is closed."""
+
+    request_id: str
+    model: str  # the public id
+    stream: bool
+    include_usage: bool
+    headers: dict[str, str]
+    target: ModelTarget
+    ledger: Ledger
+    json: dict | None = None
+    _started: bool = False
+    _watchdog: asyncio.TimerHandle | None = None
+
+    async def read(self) -> None:
+        """Non-streaming: the worker's answer into `json`, with the public model id, and its
+        usage into the ledger."""
+        ledger = self.ledger
+        try:
+            answer = await ledger.upstream.answer()
+        except StreamBroken as broken:
+            raise no_worker(f"the worker failed during the request: {broken.kind}") from None
+        ledger.first_chunk_at = time.monotonic()
+        if isinstance(answer, dict):
+            answer["model"] = self.model
+            usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+            ledger.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            ledger.completion_tokens = int(usage.get("completion_tokens") or 0)
+            choices = answer.get("choices") or [{}]
+            ledger.finish_reason = str((choices[0] or {}).get("finish_reason") or "")
+        self.json = answer
+
+    def arm_watchdog(self) -> None:
+        self._watchdog = asyncio.get_running_loop().call_later(STREAM_START_GRACE, self._abandon)
+
+    def _abandon(self) -> None:
+        if not self._started:
+            self._started = True
+            self.ledger.client_disconnected = True
+            run_detached(self.ledger.close())
+
+    async def aclose(self) -> None:
+        """Give up on a stream that will not be relayed (the ledger is still written once)."""
+        if not self._started:
+            self._started = True
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            self.ledger.client_disconnected = True
+            await self.ledger.close()
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The worker's chunks with the public model id; the usage chunk only if asked for; an
+        error object ({"error": {...}}) last if the worker failed mid-stream."""
+        if self._started:
+            raise RuntimeError("a completion's chunks can be iterated once")
+        self._started = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        ledger = self.ledger
+        error_chunk: dict | None = None
+        try:
+            try:
+                async for chunk in ledger.upstream.chunks():
+                    if "error" in chunk:
+                        error = ErrorObject.from_json(chunk) or ErrorObject(str(chunk["error"]), type="server_error")
+                        error = dataclasses.replace(error, message=_scrub(error.message, self.target))
+                        ledger.error = error.message or "the worker reported an error"
+                        yield error.to_json()
+                        continue
+                    self._count(chunk)
+                    if "model" in chunk:
+                        chunk["model"] = self.model
+                    if not self.include_usage:
+                        if chunk.get("usage") is not None and not chunk.get("choices"):
+                            continue  # the usage chunk the gateway asked for, not the client
+                        chunk.pop("usage", None)
+                    yield chunk
+            except StreamBroken as broken:
+                if not (broken.ended and ledger.error):  # a stream that reported its error may end so
+                    ledger.error = f"the inference worker failed mid-stream ({broken})"
+                    log.warning("%s: %s (%s)", self.request_id, ledger.error, ledger.worker_url)
+                    error_chunk = ErrorObject(ledger.error, type="server_error", code="worker_failed").to_json()
+            if error_chunk is not None:
+                yield error_chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            ledger.client_disconnected = True
+            raise
+        finally:
+            await ledger.close()
+
+    def _count(self, chunk: dict) -> None:
+        """The ledger's view of one chunk: time to first token, usage, finish reason, tokens."""
+        ledger = self.ledger
+        if ledger.first_chunk_at is None:
+            ledger.first_chunk_at = time.monotonic()
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            ledger.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            ledger.completion_tokens = int(usage.get("completion_tokens") or 0)
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason"):
+                ledger.finish_reason = str(choice["finish_reason"])
+            delta = choice.get("delta")
+            if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
+                ledger.relayed_tokens += 1

@@ -1,0 +1,88 @@
+"""Which model a request names: the fleet's base model, or one of the caller's tenant's ready
+adapter versions (`tenant/name` through the adapter's deployment, `tenant/name@vN` pinned);
+and what /v1/models lists for a caller. Another tenant's adapter is as unknown as a missing one."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from portal.adapters.models import AdapterVersion
+from portal.adapters.selectors import adapter_list_servable
+from portal.adapters.traffic import deployment_resolve
+from portal.core.db import db_sync_to_async
+from portal.fleet.client import async_worker_client
+from portal.fleet.selectors import base_model_name, route_candidates
+from portal.gateway.auth import Caller, model_allowed
+from portal.gateway.errors import model_not_found
+
+BASE_NAME_TTL = 10.0  # seconds a base name learnt from a worker's /v1/models is trusted
+
+
+@dataclass(frozen=True)
+class ModelTarget:
+    public_id: str  # what the client asked for (and sees in every response)
+    worker_model: str  # what the worker is asked for: the base name or the version's worker_name
+    version: AdapterVersion | None  # None: the base model
+
+
+# Before any poll has recorded a base model: (when learnt, name) asked of a worker directly.
+_base_cache: dict[str, tuple[float, str]] = {}
+
+
+def base_model_forget() -> None:
+    """Drop the base name learnt from a worker (the fleet changed under a test, say)."""
+    _base_cache.clear()
+
+
+async def base_model() -> str | None:
+    """The fleet's base model name: from the polled workers, else asked of a worker directly."""
+    name = await db_sync_to_async(base_model_name)()
+    if name:
+        return name
+    cached = _base_cache.get("base")
+    if cached and time.monotonic() - cached[0] < BASE_NAME_TTL:
+        return cached[1]
+    client = async_worker_client()
+    for target in await db_sync_to_async(route_candidates)(lora_name=None):
+        name = await client.base_model_name(target.url)
+        if name:
+            _base_cache["base"] = (time.monotonic(), name)
+            return name
+    return None
+
+
+async def model_resolve(*, caller: Caller, model: str, request_id: str = "") -> ModelTarget:
+    """The base model or one of the caller's tenant's ready adapter versions; 404 otherwise.
+    A deployment's traffic split is picked deterministically from the request id."""
+    if "/" in model:
+        resolved = await db_sync_to_async(deployment_resolve)(tenant=caller.tenant, model=model, request_id=request_id)
+        if resolved is None or not model_allowed(caller, resolved.public_id):
+            raise model_not_found(model)
+        return ModelTarget(resolved.public_id, resolved.version.worker_name, resolved.version)
+    base = await base_model()
+    if base is not None and model == base and model_allowed(caller, model):
+        return ModelTarget(model, model, None)
+    raise model_not_found(model)
+
+
+def _models_list(caller: Caller, base: str | None) -> list[dict]:
+    tenant = caller.tenant
+    entries: list[dict] = []
+    if base is not None:
+        entries.append({"id": base, "object": "model", "created": 0, "owned_by": "system"})
+    for adapter in adapter_list_servable(tenant=tenant).prefetch_related("versions"):
+        created = int(adapter.created_at.timestamp())
+        entries.append({"id": adapter.public_id, "object": "model", "created": created,
+                        "owned_by": tenant.slug, "parent": base})
+        for version in sorted(adapter.versions.all(), key=lambda v: v.number):
+            if version.status == AdapterVersion.Status.READY:
+                entries.append({"id": f"{adapter.public_id}@v{version.number}", "object": "model",
+                                "created": int(version.created_at.timestamp()), "owned_by": tenant.slug,
+                                "parent": base})
+    return [entry for entry in entries if model_allowed(caller, entry["id"])]
+
+
+async def models_list(*, caller: Caller) -> list[dict]:
+    """/v1/models for this caller: the base, then each servable adapter and its ready versions."""
+    return await db_sync_to_async(_models_list)(caller, await base_model())

@@ -1,0 +1,303 @@
+"""The HTTP wire between the portal and an inference worker, written once: the routes, the JSON
+bodies both sides build and read, and the error codes one side sends and the other acts on.
+
+    POST /v1/load_lora_adapter    LoadAdapterBody   an adapter by a local directory (lora_path,
+                                                    vLLM's field) or by a URL the worker fetches
+                                                    (lora_url + files {filename: sha256}, with
+                                                    auth_token sent to that URL as a Bearer token)
+    POST /v1/unload_lora_adapter  UnloadAdapterBody
+    POST /v1/adapters/{name}/pin | unpin
+    GET  /v1/base_model           BaseModelInfo     what an adapter must match to load there
+    any error                     ErrorObject       OpenAI's {"error": {message, type, param, code}}
+
+The worker validates requests with its own pydantic schemas (inference/server) whose field names
+and limits come from here; the portal's worker client (portal/fleet/client.py) builds its
+bodies and parses the answers with these. Both sides also share which OpenAI parameters the
+worker refuses (UNSUPPORTED_CHAT_FIELDS, ...).
+
+Standard library only: both sides import it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+from urllib.parse import quote
+
+# -- routes -----------------------------------------------------------------------------------
+READY = "/ready"
+METRICS = "/metrics"
+MODELS = "/v1/models"
+BASE_MODEL = "/v1/base_model"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+LOAD_ADAPTER = "/v1/load_lora_adapter"
+UNLOAD_ADAPTER = "/v1/unload_lora_adapter"
+ADAPTERS = "/v1/adapters"
+# Route templates ({name} is the adapter's lora_name): the worker declares them, the portal fills them.
+PIN_ADAPTER = "/v1/adapters/{name}/pin"
+UNPIN_ADAPTER = "/v1/adapters/{name}/unpin"
+
+
+def pin_path(lora_name: str, *, pinned: bool) -> str:
+    """The pin (pinned=True) or unpin route of one adapter, its name escaped as one path segment."""
+    return (PIN_ADAPTER if pinned else UNPIN_ADAPTER).format(name=quote(lora_name, safe=""))
+
+
+# -- error codes (ErrorObject.code) the other side acts on -----------------------------------
+MODEL_NOT_FOUND = "model_not_found"  # a completion for a model the worker does not hold: load it
+ADAPTER_NOT_FOUND = "adapter_not_found"  # unload/pin of an adapter that is not registered
+ADAPTER_INVALID = "adapter_invalid"  # the adapter's files break the PEFT rules or the base's shapes
+ADAPTER_FETCH_FAILED = "adapter_fetch_failed"  # lora_url could not be read (network, HTTP status)
+ADAPTER_SOURCE_FORBIDDEN = (
+    "adapter_source_forbidden"  # lora_url is not on one of the worker's portal origins
+)
+ADAPTER_CHECKSUM_MISMATCH = "adapter_checksum_mismatch"
+ADAPTER_TOO_LARGE = "adapter_too_large"
+TOO_MANY_PINNED = "too_many_pinned"
+INVALID_ADMIN_TOKEN = "invalid_admin_token"
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
+# Load refusals that say nothing about the adapter: the worker could not reach the portal, or may
+# not fetch from it. Another worker (or a fixed configuration) may succeed; the tenant is not at fault.
+WORKER_SIDE_LOAD_ERRORS = frozenset({ADAPTER_FETCH_FAILED, ADAPTER_SOURCE_FORBIDDEN})
+
+
+class BodyError(ValueError):
+    """A body that breaks the wire's rules; `param` names the field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+# -- the OpenAI error object --------------------------------------------------------------------
+@dataclass(frozen=True)
+class ErrorObject:
+    """{"error": {"message", "type", "param", "code"}}: what every failed call answers."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def to_json(self) -> dict:
+        return {"error": asdict(self)}
+
+    @classmethod
+    def from_json(cls, value: Any) -> ErrorObject | None:
+        """The error object in a decoded body, or None when the body is not one. Tolerant as a
+        reader must be: a field of the wrong type is dropped (message and type become "",
+        param and code None)."""
+        if not isinstance(value, dict) or not isinstance(value.get("error"), dict):
+            return None
+        error = value["error"]
+        message = error.get("message")
+        return cls(
+            message=message
+            if isinstance(message, str)
+            else ("" if message is None else str(message)),
+            type=error["type"] if isinstance(error.get("type"), str) else "",
+            param=error["param"] if isinstance(error.get("param"), str) else None,
+            code=error["code"] if isinstance(error.get("code"), str) else None,
+        )
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> ErrorObject | None:
+        """The error object in a raw response body, or None (not JSON, or not an error)."""
+        try:
+            return cls.from_json(json.loads(raw))
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+
+# -- loading and unloading adapters --------------------------------------------------------------
+LORA_NAME_MAX = 256
+LORA_URL_MAX = 2000
+
+
+@dataclass(frozen=True)
+class LoadAdapterBody:
+    """POST /v1/load_lora_adapter. Exactly one source: `lora_path` (a directory the worker can
+    read) or `lora_url` with `files` {filename: sha256} (the worker fetches lora_url + filename
+    and checks each digest); `auth_token` is sent to lora_url only. `pin`: never evict it.
+    Checked when built (BodyError names the field), on either side of the wire."""
+
+    lora_name: str
+    lora_path: str | None = None
+    lora_url: str | None = None
+    files: dict[str, str] | None = None
+    auth_token: str | None = None
+    pin: bool = False
+
+    def __post_init__(self) -> None:
+        check_lora_name(self.lora_name)
+        if self.lora_path is not None and not self.lora_path:
+            raise BodyError("lora_path: expected a non-empty path", param="lora_path")
+        if self.lora_url is not None and not 1 <= len(self.lora_url) <= LORA_URL_MAX:
+            raise BodyError(f"lora_url: expected 1 to {LORA_URL_MAX} characters", param="lora_url")
+        if (self.lora_path is None) == (self.lora_url is None):
+            raise BodyError(
+                "give exactly one of lora_path (a local directory) or lora_url (with files)",
+                param="lora_path",
+            )
+        if self.lora_url is not None and self.files is None:
+            raise BodyError("files: lora_url needs files {filename: sha256}", param="files")
+
+    @classmethod
+    def local(cls, *, lora_name: str, lora_path: str, pin: bool = False) -> LoadAdapterBody:
+        return cls(lora_name=lora_name, lora_path=lora_path, pin=pin)
+
+    @classmethod
+    def fetched(
+        cls,
+        *,
+        lora_name: str,
+        lora_url: str,
+        files: dict[str, str],
+        auth_token: str | None = None,
+        pin: bool = False,
+    ) -> LoadAdapterBody:
+        return cls(
+            lora_name=lora_name,
+            lora_url=lora_url,
+            files=dict(files),
+            auth_token=auth_token,
+            pin=pin,
+        )
+
+    def to_json(self) -> dict:
+        """The body as sent: unset fields and pin=False left out (vLLM's body is lora_name + lora_path)."""
+        body: dict[str, Any] = {"lora_name": self.lora_name}
+        for key in ("lora_path", "lora_url", "files", "auth_token"):
+            value = getattr(self, key)
+            if value is not None:
+                body[key] = dict(value) if key == "files" else value
+        if self.pin:
+            body["pin"] = True
+        return body
+
+
+@dataclass(frozen=True)
+class UnloadAdapterBody:
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: str
+
+    def __post_init__(self) -> None:
+        check_lora_name(self.lora_name)
+
+    def to_json(self) -> dict:
+        return {"lora_name": self.lora_name}
+
+
+# The field names a worker's schema for these bodies must have (inference/server/protocol.py checks).
+LOAD_ADAPTER_FIELDS = tuple(f.name for f in fields(LoadAdapterBody))
+UNLOAD_ADAPTER_FIELDS = tuple(f.name for f in fields(UnloadAdapterBody))
+
+
+def check_lora_name(name: Any) -> None:
+    if not isinstance(name, str) or not 1 <= len(name) <= LORA_NAME_MAX:
+        raise BodyError(
+            f"lora_name: expected a string of 1 to {LORA_NAME_MAX} characters", param="lora_name"
+        )
+
+
+# -- the base model ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BaseModelInfo:
+    """GET /v1/base_model: the served base's shapes (HF config.json names) and the worker's
+    adapter limits. The five shape fields are what any reader needs; the rest may be absent."""
+
+    name: str  # the served name (its id in /v1/models)
+    num_hidden_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    checkpoint_name: str | None = (
+        None  # the checkpoint's own name (adapters' base_model_name_or_path)
+    )
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
+    max_lora_rank: int | None = None
+
+    def to_json(self) -> dict:
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> BaseModelInfo | None:
+        """The description in a decoded body, or None when it is not one (a field missing or of
+        the wrong type: a JSON integer for the counts, a string for the names)."""
+        if not isinstance(value, dict):
+            return None
+        found: dict[str, Any] = {}
+        for f in fields(cls):
+            item = value.get(f.name)
+            required = f.default is MISSING
+            if item is None:
+                if required:
+                    return None
+                continue
+            wants_str = f.type.startswith(
+                "str"
+            )  # the annotation, a string under `from __future__ import annotations`
+            if wants_str and not isinstance(item, str):
+                return None
+            if not wants_str and (not isinstance(item, int) or isinstance(item, bool) or item < 0):
+                return None
+            found[f.name] = item
+        if not found["name"] or min(found[k] for k in _SHAPE_FIELDS) <= 0:
+            return None
+        return cls(**found)
+
+
+_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+
+
+# -- completions: the OpenAI parameters the worker refuses ----------------------------------------
+# Not implemented yet (tools and structured output come with the structured-output issue; the others
+# need modalities or logit processing the engine lacks). Each is refused with a 400 naming it (code
+# unsupported_parameter) rather than silently ignored, unless its value asks for nothing
+# (HARMLESS_VALUES). The gateway relays that 400 as it is.
+UNSUPPORTED_CHAT_FIELDS = (
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+)
+# OpenAI's legacy completions has logit_bias; response_format is vLLM's extension there.
+UNSUPPORTED_COMPLETION_FIELDS = ("logit_bias", "response_format")
+# Values that ask for nothing special, besides null: no tools, no forced call, plain text, no bias,
+# the default of parallel_tool_calls. Compared with their JSON type (1 is not true).
+HARMLESS_VALUES: dict[str, tuple] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
+    "modalities": (["text"],),
+}
+
+
+def is_harmless(field: str, value: Any) -> bool:
+    """Whether `value` for the unsupported parameter `field` asks for nothing we would ignore."""
+    return value is None or any(
+        type(value) is type(h) and value == h for h in HARMLESS_VALUES.get(field, ())
+    )
