@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference.config import EngineConfig  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
+from inference.layers.linear import linear  # noqa: E402
 from inference.models.fetch import default_model_path  # noqa: E402
-from inference.models.llama import linear  # noqa: E402
 
 WORDS = (
     "the model serves many adapters from one base and batches requests together while the "
@@ -126,7 +126,7 @@ def matmul_ceilings(hidden: int, ffn: int, rows: int = 64) -> dict[str, float]:
     return {
         "torch bf16 matmul": gflops(lambda: a16 @ b16, flops),
         "torch fp32 matmul": gflops(lambda: a32 @ b32, flops),
-        # what the engine runs for bf16 weights on CPUs without bf16 units (see models/llama.py)
+        # what the engine runs for bf16 weights on CPUs without bf16 units (see inference/layers/linear.py)
         "engine bf16 linear": gflops(lambda: linear(a16, w16), flops),
     }
 

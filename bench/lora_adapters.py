@@ -22,9 +22,10 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.lora.validation import SUPPORTED_MODULES, module_path, module_shapes  # noqa: E402
+from inference.lora.validation import module_shapes  # noqa: E402
 from inference.models.config import LlamaConfig  # noqa: E402
 from inference.models.loader import open_checkpoint  # noqa: E402
+from protocol.adapter_format import SUPPORTED_MODULES, module_path  # noqa: E402
 
 # What PEFT records when an adapter was trained on the default model.
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from inference.models.llama import linear
+from inference.layers.linear import linear
 from kernels.lora_ops import add_lora
 from kernels.metadata import LoRABatchMetadata, build_lora_metadata
 from kernels.reference import add_lora_ref

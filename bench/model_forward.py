@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from inference.engine.attention import allocate_kv_cache, build_attention_metadata
+from inference.layers.attention import allocate_kv_cache
+from inference.layers.attention_metadata import build_attention_metadata
 from inference.models.loader import load_model
 
 BLOCK = 16
@@ -32,10 +33,18 @@ def timed(fn, runs: int) -> tuple[float, float]:
     return times[0], times[len(times) // 2]
 
 
+def kv_cache(model, num_blocks: int, dtype: torch.dtype):
+    c = model.config
+    return allocate_kv_cache(
+        num_layers=c.num_hidden_layers, num_blocks=num_blocks, block_size=BLOCK,
+        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=dtype,
+    )  # fmt: skip
+
+
 def decode_step(model, lens: list[int], dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-n // BLOCK) for n in lens]
-    kv = allocate_kv_cache(model.config, sum(blocks), BLOCK, dtype)
+    kv = kv_cache(model, sum(blocks), dtype)
     order = torch.randperm(sum(blocks), generator=g).tolist()  # scattered blocks, like a busy cache
     tables, used = [], 0
     for n in blocks:
@@ -53,7 +62,7 @@ def decode_step(model, lens: list[int], dtype: torch.dtype, seed: int = 0):
 
 def prefill_step(model, length: int, dtype: torch.dtype):
     n_blocks = -(-length // BLOCK)
-    kv = allocate_kv_cache(model.config, n_blocks, BLOCK, dtype)
+    kv = kv_cache(model, n_blocks, dtype)
     ids = torch.randint(0, model.config.vocab_size, (length,))
     positions = torch.arange(length)
 

@@ -160,7 +160,7 @@ def url_origin(url: str) -> str:
     Parsed by httpx, the library that fetches the URL, so the origin checked is the origin
     fetched. ValueError for another scheme, no host, a bad port, or credentials in the URL
     (`user:pass@host`: a fetch authenticates with its Bearer token, never with userinfo)."""
-    import httpx  # here: the engine imports this module and never needs httpx
+    import httpx  # here: the engine imports this module and never needs httpx (~0.1 s, python -X importtime)
 
     try:
         parsed = httpx.URL(url)

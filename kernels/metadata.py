@@ -112,6 +112,50 @@ def build_lora_metadata(
     Raises ValueError naming the argument on bad input, including a token whose slot is
     empty (rank 0) or out of range.
     """
+    _check_args(token_slots, slot_ranks, block_m, padded_max_len)
+    device = torch.device(device) if device is not None else token_slots.device
+    if device.type == "cuda":
+        padded_max_len = 0  # CUDA runs the Triton kernels: skip the torch path's padded batch
+
+    slots = token_slots.detach().to("cpu", torch.long)  # [T]
+    ranks = slot_ranks.detach().to("cpu", torch.long)  # [L]
+    _check_slots(slots, ranks)
+    max_loras = ranks.numel()
+    has_adapter = slots >= 0  # [T]
+    # Stable sort keeps each sequence's tokens in order inside its segment; -1 sorts last.
+    order = torch.argsort(torch.where(has_adapter, slots, max_loras), stable=True)  # [T]
+    counts = torch.bincount(slots[has_adapter], minlength=max_loras).tolist()  # [L]
+    order_dev = order.to(device)
+    device = order_dev.device  # "cuda" -> "cuda:0", so device checks compare like with like
+
+    segments = _segments(order, order_dev, counts, ranks.tolist())
+    num_lora_tokens = sum(seg.length for seg in segments)
+    sorted_token_ids, seg_table, tile_info = _device_tables(order, segments, block_m, device)
+    return LoRABatchMetadata(
+        num_tokens=slots.numel(),
+        max_loras=max_loras,
+        block_m=block_m,
+        device=device,
+        token_slots=token_slots.to(device, torch.long),
+        slot_ranks=slot_ranks.to(device, torch.long),
+        sorted_token_ids=sorted_token_ids,
+        num_lora_tokens=num_lora_tokens,
+        lora_token_ids=order_dev[:num_lora_tokens],
+        segment_starts=seg_table[0],
+        segment_lengths=seg_table[1],
+        segment_slots=seg_table[2],
+        segment_ranks=seg_table[3],
+        tile_info=tile_info,
+        segments=segments,
+        long_segments=tuple(seg for seg in segments if seg.length >= padded_max_len),
+        padded=_padded_batch(
+            [seg for seg in segments if seg.length < padded_max_len], order, max_loras, device
+        ),
+        max_rank=max((seg.rank for seg in segments), default=0),
+    )
+
+
+def _check_args(token_slots: object, slot_ranks: object, block_m: object, padded_max_len: object) -> None:
     _check_int_vector("token_slots", token_slots)
     _check_int_vector("slot_ranks", slot_ranks)
     if slot_ranks.numel() == 0:
@@ -120,12 +164,10 @@ def build_lora_metadata(
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m!r}")
     if not isinstance(padded_max_len, int) or padded_max_len < 0:
         raise ValueError(f"padded_max_len must be an int >= 0, got {padded_max_len!r}")
-    device = torch.device(device) if device is not None else token_slots.device
-    if device.type == "cuda":
-        padded_max_len = 0  # CUDA runs the Triton kernels: skip the torch path's padded batch
 
-    slots = token_slots.detach().to("cpu", torch.long)  # [T]
-    ranks = slot_ranks.detach().to("cpu", torch.long)  # [L]
+
+def _check_slots(slots: torch.Tensor, ranks: torch.Tensor) -> None:
+    """Every rank >= 0; every token's slot is -1 or a filled slot (rank > 0). Host tensors."""
     max_loras = ranks.numel()
     if bool((ranks < 0).any()):
         raise ValueError(f"slot_ranks must be >= 0, got {ranks.tolist()}")
@@ -133,75 +175,55 @@ def build_lora_metadata(
     if bool(bad.any()):
         token = int(bad.nonzero()[0])
         raise ValueError(f"token_slots[{token}] = {int(slots[token])} is outside [-1, {max_loras})")
-    has_adapter = slots >= 0  # [T]
-    empty = has_adapter & (ranks[slots.clamp(min=0)] == 0)
+    empty = (slots >= 0) & (ranks[slots.clamp(min=0)] == 0)
     if bool(empty.any()):
         token = int(empty.nonzero()[0])
         raise ValueError(
             f"token_slots[{token}] = {int(slots[token])} names an empty slot (slot_ranks is 0)"
         )
 
-    # Stable sort keeps each sequence's tokens in order inside its segment; -1 sorts last.
-    order = torch.argsort(torch.where(has_adapter, slots, max_loras), stable=True)  # [T]
-    counts = torch.bincount(slots[has_adapter], minlength=max_loras).tolist()  # [L]
-    rank_list = ranks.tolist()
-    order_dev = order.to(device)
-    device = order_dev.device  # "cuda" -> "cuda:0", so device checks compare like with like
 
-    seg_rows: list[tuple[int, int, int, int]] = []  # (start, length, slot, rank)
-    tile_rows: list[tuple[int, int, int, int]] = []
+def _segments(
+    order: torch.Tensor, order_dev: torch.Tensor, counts: list[int], ranks: list[int]
+) -> tuple[Segment, ...]:
+    """One segment per slot that has tokens, in slot order, over the sorted token order."""
     segments: list[Segment] = []
     start = 0
     for slot, length in enumerate(counts):
         if length == 0:
             continue
-        rank = rank_list[slot]
-        seg_rows.append((start, length, slot, rank))
-        for tile_start in range(start, start + length, block_m):
-            tile_len = min(block_m, start + length - tile_start)
-            tile_rows.append((tile_start, tile_len, slot, rank))
         ids = order[start : start + length]
         lo, hi = int(ids[0]), int(ids[-1]) + 1
         token_range = (lo, hi) if hi - lo == length else None  # stable sort: ascending ids
         segments.append(
-            Segment(start, length, slot, rank, order_dev[start : start + length], token_range)
+            Segment(start, length, slot, ranks[slot], order_dev[start : start + length], token_range)
         )
         start += length
+    return tuple(segments)
 
-    # One host->device copy for all the small int32 tables.
-    num_segs, num_tiles = len(seg_rows), len(tile_rows)
+
+def _device_tables(
+    order: torch.Tensor, segments: tuple[Segment, ...], block_m: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int32 tables the Triton kernels index, in one host->device copy:
+    sorted_token_ids [T], the segment table [4, S] (start, length, slot, rank) and the tiles
+    [N, 4] (each segment cut into pieces of at most block_m tokens)."""
+    seg_rows = [(seg.start, seg.length, seg.slot, seg.rank) for seg in segments]
+    tile_rows = [
+        (tile_start, min(block_m, seg.start + seg.length - tile_start), seg.slot, seg.rank)
+        for seg in segments
+        for tile_start in range(seg.start, seg.start + seg.length, block_m)
+    ]
+    num_tokens, num_segs, num_tiles = order.numel(), len(seg_rows), len(tile_rows)
     seg_columns = [v for column in zip(*seg_rows, strict=True) for v in column]  # 4 x S
     tile_values = [v for row in tile_rows for v in row]  # N x 4
-    num_tokens = slots.numel()
     table = torch.cat(
         (order.to(torch.int32), torch.tensor(seg_columns + tile_values, dtype=torch.int32))
     ).to(device)
     sorted_token_ids = table[:num_tokens]  # [T]
     seg_table = table[num_tokens : num_tokens + num_segs * 4].view(4, num_segs)  # [4, S]
     tile_info = table[num_tokens + num_segs * 4 :].view(num_tiles, 4)  # [N, 4]
-
-    return LoRABatchMetadata(
-        num_tokens=num_tokens,
-        max_loras=max_loras,
-        block_m=block_m,
-        device=device,
-        token_slots=token_slots.to(device, torch.long),
-        slot_ranks=slot_ranks.to(device, torch.long),
-        sorted_token_ids=sorted_token_ids,
-        num_lora_tokens=start,
-        lora_token_ids=order_dev[:start],
-        segment_starts=seg_table[0],
-        segment_lengths=seg_table[1],
-        segment_slots=seg_table[2],
-        segment_ranks=seg_table[3],
-        tile_info=tile_info,
-        segments=tuple(segments),
-        long_segments=tuple(seg for seg in segments if seg.length >= padded_max_len),
-        padded=_padded_batch(
-            [seg for seg in segments if seg.length < padded_max_len], order, max_loras, device
-        ),
-        max_rank=max((row[3] for row in seg_rows), default=0),
-    )
+    return sorted_token_ids, seg_table, tile_info
 
 
 def _padded_batch(

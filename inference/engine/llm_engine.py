@@ -3,14 +3,17 @@
     step():  schedule  →  run the model on the flattened batch  →  sample  →  postprocess
              (admit / preempt)   (prefill chunks + decodes)        (per row)   (detokenize, stop, free)
 
+Each of the four is one method below (`_schedule`, `_run`, `_sample`, `_postprocess`).
+
 Requests are validated when they are added (a ValueError naming the field), so a bad
 request never disturbs the ones already running.
 
-Multi-LoRA (inference/lora/): a request may name an adapter (`lora=`); the scheduler admits it
-once its adapter holds a device slot (loading from disk happens on a background thread, so
-the step loop never waits on it), and each step's tokens carry their slot into the model's
-projections, which add that adapter's delta per token. Base-only and adapter requests share
-every step.
+Multi-LoRA (inference/lora/): a request may ask for an adapter (`lora=`: a registered name or
+a LoRARequest); the adapter manager (`self.adapters`) binds it to that adapter's record, the
+scheduler admits it once the adapter holds a device slot (loading from disk happens on a
+background thread, so the step loop never waits on it), and each step's tokens carry their
+slot into the model's projections, which add that adapter's delta per token. Base-only and
+adapter requests share every step.
 """
 
 from __future__ import annotations
@@ -28,19 +31,19 @@ from pathlib import Path
 import torch
 
 from inference.config import EngineConfig
-from inference.engine.attention import allocate_kv_cache
 from inference.engine.block_manager import BlockManager
 from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.fair_queue import FairQueue
 from inference.engine.model_runner import ModelRunner
 from inference.engine.outputs import RequestOutput, TokenLogprob, Usage
-from inference.engine.sampler import Sampler, SamplingBatch, make_generator
+from inference.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from inference.engine.sampling_params import SamplingParams
-from inference.engine.scheduler import Scheduler, SchedulerConfig
+from inference.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from inference.engine.sequence import FinishReason, Sequence
 from inference.engine.stop_checker import StopChecker
+from inference.layers.attention import allocate_kv_cache
 from inference.lora.cache import CacheStats
-from inference.lora.manager import AdapterInfo, LoRAManager
+from inference.lora.manager import AdapterInfo, AdapterManager
 from inference.lora.request import LoRARequest
 from inference.models.loader import load_model
 from inference.models.tokenizer import Tokenizer, load_tokenizer
@@ -119,11 +122,15 @@ class LLMEngine:
         )
 
         num_blocks = kv_cache_num_blocks(config, self.model_config, self.dtype)
-        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(
+            num_layers=self.model_config.num_hidden_layers, num_blocks=num_blocks,
+            block_size=config.block_size, num_kv_heads=self.model_config.num_key_value_heads,
+            head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.lora: LoRAManager | None = None
+        self.adapters: AdapterManager | None = None  # None: LoRA disabled (max_loras = 0)
         if config.max_loras > 0:
-            self.lora = LoRAManager(
+            self.adapters = AdapterManager(
                 self.model,
                 self.model_config,
                 max_loras=config.max_loras,
@@ -142,11 +149,11 @@ class LLMEngine:
             self.block_manager,
             # Weighted fair queuing between tenants (S-LoRA's VTC); exactly FCFS without tenant ids.
             waiting=FairQueue(),
-            adapters=self.lora,
+            adapters=self.adapters,
         )
         self.runner = ModelRunner(
             self.model, self.kv_caches, config.block_size, self.device,
-            lora_slots=self.lora.slots if self.lora else None,
+            lora_slots=self.adapters.slots if self.adapters else None,
         )  # fmt: skip
         self.sampler = Sampler()
         self._ids = itertools.count()
@@ -188,7 +195,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in the engine")
         if not (isinstance(weight, int | float) and weight > 0):
             raise ValueError(f"weight: must be a number > 0, got {weight!r}")
-        if lora is not None and self.lora is None:
+        if lora is not None and self.adapters is None:
             raise ValueError("lora: LoRA is disabled on this engine (max_loras is 0)")
         seq = Sequence(
             request_id=request_id,
@@ -211,12 +218,12 @@ class LLMEngine:
         if lora is not None:
             if isinstance(lora, LoRARequest):
                 self._check_adapter_name(lora.name)
-            self.lora.bind(lora, seq)
+            seq.adapter = self.adapters.bind(lora)
         try:
             self.scheduler.add(seq)
         except ValueError:
-            if seq.lora is not None:
-                self.lora.release(seq, finished=True)
+            if seq.adapter is not None:
+                self.adapters.unbind(seq.adapter)
             raise
         return request_id
 
@@ -256,27 +263,47 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule → run → sample → postprocess. Returns an output for every
+        request that got a token, finished or was aborted since the last step."""
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
-        if self.lora is not None:
-            self.lora.begin_step()
-
-        decision = self.scheduler.schedule()
+        decision = self._schedule()
         outputs += [self._output(seq) for seq in decision.failed]
         if not decision:
-            if self.lora is not None and self.scheduler.waiting and not self.scheduler.running:
-                self.lora.wait_for_loads(timeout=0.01)  # only requests for loading adapters wait
+            self._wait_for_adapter_loads()
             return outputs
-        to_sample = [s.seq for s in decision.scheduled if s.samples]
-        logits = self.runner.execute(decision.scheduled)  # [len(to_sample), vocab]
+        to_sample = [s.seq for s in decision.scheduled if s.samples]  # before the run marks tokens computed
+        logits = self._run(decision, to_sample)  # [len(to_sample), vocab]
+        if to_sample:
+            sampled = self._sample(to_sample, logits)
+            outputs += self._postprocess(to_sample, sampled)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """Apply the adapter work other threads queued (between forwards), then decide the step."""
+        if self.adapters is not None:
+            self.adapters.begin_step()
+        return self.scheduler.schedule()
+
+    def _wait_for_adapter_loads(self) -> None:
+        """Nothing could run: when only requests for loading adapters wait, block briefly on
+        their loads instead of spinning."""
+        if self.adapters is not None and self.scheduler.waiting and not self.scheduler.running:
+            self.adapters.wait_for_loads(timeout=0.01)
+
+    def _run(self, decision: SchedulerOutput, to_sample: list[Sequence]) -> torch.Tensor:
+        """The model over the scheduled tokens -> logits [len(to_sample), vocab]; their KV is
+        now cached."""
+        logits = self.runner.execute(decision.scheduled)
         self.scheduler.on_step_done(decision.scheduled)
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(decision.preempted)
         self.stats.generation_tokens += len(to_sample)
         self.stats.prompt_tokens += sum(s.num_prompt_tokens for s in to_sample if not s.output_token_ids)
-        if not to_sample:
-            return outputs
+        return logits
 
+    def _sample(self, to_sample: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+        """One token per sequence, each with its own sampling settings and generator."""
         batch = SamplingBatch.build(
             params=[seq.params for seq in to_sample],
             prompt_ids=[seq.prompt_token_ids for seq in to_sample],
@@ -285,7 +312,11 @@ class LLMEngine:
             vocab_size=logits.shape[-1],
             device=self.device,
         )
-        sampled = self.sampler(logits, batch)
+        return self.sampler(logits, batch)
+
+    def _postprocess(self, to_sample: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        """Append each sampled token, record its logprobs, detokenize, check the stop
+        conditions (finishing frees the KV blocks and the adapter slot); one output each."""
         token_ids = sampled.token_ids.tolist()
         chosen_logprobs = sampled.logprobs.tolist() if any(s.params.logprobs is not None for s in to_sample) else None
         top = None
@@ -293,6 +324,7 @@ class LLMEngine:
             top = (sampled.top_logprobs[0].tolist(), sampled.top_logprobs[1].tolist())
 
         now = time.monotonic()
+        outputs = []
         for row, (seq, token_id) in enumerate(zip(to_sample, token_ids, strict=True)):
             state: _SeqState = seq.state
             seq.output_token_ids.append(token_id)
@@ -356,41 +388,41 @@ class LLMEngine:
     ) -> AdapterInfo | Future:
         """Validate and load a PEFT adapter directory under `name` (into the host tier).
         wait=True: returns its AdapterInfo or raises AdapterError; wait=False: a Future of it."""
-        manager = self._lora_manager()
+        adapters = self._require_adapters()
         self._check_adapter_name(name)
-        future = manager.add(name, path, pin=pin)
+        future = adapters.add(name, path, pin=pin)
         return future.result() if wait else future
 
     def remove_adapter(self, name: str) -> None:
         """New requests can no longer use `name`; those already running finish with it."""
-        self._lora_manager().remove(name)
+        self._require_adapters().remove(name)
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         """Pinned adapters are never evicted (at most max_loras - 1 of them)."""
-        self._lora_manager().pin(name, pinned)
+        self._require_adapters().pin(name, pinned)
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return self.lora.describe() if self.lora else []
+        return self.adapters.describe() if self.adapters else []
 
     def has_adapter(self, name: str) -> bool:
-        return self.lora is not None and self.lora.has(name)
+        return self.adapters is not None and self.adapters.has(name)
 
     def lora_stats(self) -> dict:
-        return self.lora.stats() if self.lora is not None else CacheStats().as_dict()
+        return self.adapters.stats() if self.adapters is not None else CacheStats().as_dict()
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes held: base weights, KV cache, adapter slots (device), adapters in host memory."""
-        lora = self.lora.memory() if self.lora else {"adapter_slots": 0, "host_adapters": 0}
+        adapters = self.adapters.memory() if self.adapters else {"adapter_slots": 0, "host_adapters": 0}
         return {
             "base_weights": sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers())),
             "kv_cache": sum(k.nbytes + v.nbytes for k, v in self.kv_caches),
-            **lora,
+            **adapters,
         }
 
-    def _lora_manager(self) -> LoRAManager:
-        if self.lora is None:
+    def _require_adapters(self) -> AdapterManager:
+        if self.adapters is None:
             raise ValueError("lora: LoRA is disabled on this engine (max_loras is 0)")
-        return self.lora
+        return self.adapters
 
     def _check_adapter_name(self, name: str) -> None:
         if name == self.model_name:
@@ -411,8 +443,8 @@ class LLMEngine:
         return self.block_manager.usage
 
     def shutdown(self) -> None:
-        if self.lora is not None:
-            self.lora.shutdown()
+        if self.adapters is not None:
+            self.adapters.shutdown()
 
     # -- convenience --------------------------------------------------------------
     def run_until_done(self, request_ids: Seq[str]) -> dict[str, RequestOutput]:

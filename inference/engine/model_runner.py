@@ -2,36 +2,36 @@
 
 Every scheduled sequence contributes its new tokens back to back:
 
-    tokens     [T]  seq0's chunk | seq1's decode token | seq2's chunk | ...
-    positions  [T]  where each token sits in its sequence
-    lora_slots [T]  adapter slot per token (-1: base model), host-side: the LoRA slots group
-                    the tokens by adapter from it once per step, for every layer
+    tokens       [T]  seq0's chunk | seq1's decode token | seq2's chunk | ...
+    positions    [T]  where each token sits in its sequence
+    token_slots  [T]  adapter slot per token (-1: base model), host-side
 
-Attention metadata (block tables, slot mapping, masks) is built once here and shared by
-every layer. Only sequences whose chunk reaches their end are sampled, so logits are
-computed for those rows alone: [num_sampled, vocab].
+Two pieces of per-step metadata are built here once and passed down the model's forward to
+every layer: the attention metadata (block tables, slot mapping, masks) and the LoRA batch
+metadata (the tokens grouped by adapter slot; None when no token has an adapter). Only
+sequences whose chunk reaches their end are sampled, so logits are computed for those rows
+alone: [num_sampled, vocab].
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from inference.engine.attention import AttentionMetadata, build_attention_metadata
 from inference.engine.scheduler import ScheduledSeq
-
-if TYPE_CHECKING:
-    from inference.lora.slots import LoRASlots
+from inference.layers.attention import KVCache
+from inference.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+from inference.lora.slots import LoRASlots
+from kernels.metadata import LoRABatchMetadata
 
 
 @dataclass(frozen=True)
 class BatchInputs:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
-    lora_slots: torch.Tensor  # [T] long on the CPU, -1 = no adapter
     attn_meta: AttentionMetadata
+    lora_meta: LoRABatchMetadata | None  # None: no token of this step has an adapter
     sample_rows: torch.Tensor  # [num_sampled] long: index into T of each sampled sequence's last token
 
 
@@ -39,7 +39,7 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list,
+        kv_caches: list[KVCache],
         block_size: int,
         device: torch.device,
         lora_slots: LoRASlots | None = None,
@@ -53,7 +53,7 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
         input_ids: list[int] = []
         positions: list[int] = []
-        lora_slots: list[int] = []
+        token_slots: list[int] = []
         seq_lens: list[int] = []
         query_lens: list[int] = []
         block_tables: list[list[int]] = []
@@ -61,14 +61,14 @@ class ModelRunner:
         # Tokens are laid out grouped by adapter slot (stable: base-only first, then slot 0, 1,
         # ...), so each adapter's tokens form one contiguous run the LoRA layers multiply in
         # place; the sampled rows still come back in `scheduled` order.
-        layout = sorted(range(len(scheduled)), key=lambda i: scheduled[i].seq.lora_slot)
+        layout = sorted(range(len(scheduled)), key=lambda i: scheduled[i].seq.adapter_slot)
         for i in layout:
             s = scheduled[i]
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids += seq.token_ids_slice(start, end)
             positions += range(start, end)
-            lora_slots += [seq.lora_slot] * s.num_new_tokens
+            token_slots += [seq.adapter_slot] * s.num_new_tokens
             seq_lens.append(end)
             query_lens.append(s.num_new_tokens)
             block_tables.append(seq.block_table)
@@ -81,22 +81,23 @@ class ModelRunner:
         return BatchInputs(
             input_ids=tensor(input_ids),
             positions=tensor(positions),
-            lora_slots=torch.tensor(lora_slots, dtype=torch.long),
             attn_meta=build_attention_metadata(
                 seq_lens, query_lens, block_tables, self.block_size, self.device
             ),
+            lora_meta=self._lora_metadata(token_slots),
             sample_rows=tensor(sample_rows),
         )
+
+    def _lora_metadata(self, token_slots: list[int]) -> LoRABatchMetadata | None:
+        if self.lora_slots is None:
+            return None
+        return self.lora_slots.batch_metadata(torch.tensor(token_slots, dtype=torch.long))  # [T] host
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the model; return float32 logits [num_sampled, vocab] in `scheduled` order."""
         batch = self.prepare(scheduled)
-        if self.lora_slots is not None:
-            self.lora_slots.begin_step(batch.lora_slots)
-        try:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)  # [T, hidden]
-        finally:
-            if self.lora_slots is not None:
-                self.lora_slots.end_step()
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta, batch.lora_meta
+        )  # [T, hidden]
         return self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]

@@ -11,9 +11,9 @@ Plain Python over `Sequence` objects and a `BlockManager`; no tensors. One step:
         for seq in waiting, in the queue's order, while seats (max_num_seqs) and budget:
             n = min(prompt tokens left, budget)              # chunked prefill
             stop at the first sequence whose blocks don't fit (no overtaking for KV)
+            finish a sequence whose adapter failed to load (FinishReason.ERROR), alone
             skip a sequence whose adapter has no device slot yet (it is loading, or every
                 slot is busy with other adapters): it waits, the others go on
-            finish a sequence whose adapter failed to load (FinishReason.ERROR), alone
             allocate, schedule (seq, n)
 
 A preempted sequence loses its KV and its slot reference and goes back to the *front* of
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from inference.engine.block_manager import BlockManager
 from inference.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -48,21 +48,25 @@ class SchedulerConfig:
             )
 
 
-class AdapterUnavailable(Exception):
-    """The sequence's adapter cannot be served (its load failed); str() says why."""
-
-
 class AdapterSlots(Protocol):
-    """What the scheduler needs from the LoRA manager (inference/lora/manager.py)."""
+    """What the scheduler needs from the adapter manager (inference/lora/manager.py), for a
+    sequence's `adapter` (the manager's opaque handle). Ask, then act: `load_error` first."""
 
-    def acquire(self, seq: Sequence) -> bool:
-        """Give `seq` a device slot for its adapter (sets seq.lora_slot) and take a reference
-        on it; False while the adapter is loading or no slot can be freed; raises
-        AdapterUnavailable when it never will be."""
+    def load_error(self, adapter: Any) -> str | None:
+        """Why the adapter can never be served (its load failed); None otherwise."""
         ...
 
-    def release(self, seq: Sequence, finished: bool) -> None:
-        """Drop `seq`'s slot reference, if any (finished: the sequence is gone for good)."""
+    def acquire(self, adapter: Any) -> int | None:
+        """A device slot holding the adapter, with a reference taken; None while it is loading
+        or no slot can be freed."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Drop one reference on `slot`."""
+        ...
+
+    def unbind(self, adapter: Any) -> None:
+        """A sequence bound to the adapter is finished for good."""
         ...
 
 
@@ -172,8 +176,9 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.block_manager.free(seq)
-        if seq.lora is not None and self.adapters is not None:
-            self.adapters.release(seq, finished=True)
+        if seq.adapter is not None and self.adapters is not None:
+            self._release_slot(seq)
+            self.adapters.unbind(seq.adapter)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._by_id.pop(seq.request_id, None)
@@ -221,7 +226,7 @@ class Scheduler:
                     n = budget
                 if not self.block_manager.can_allocate(seq, n):
                     break
-                if seq.lora is not None and not self._acquire_adapter(seq, out):
+                if seq.adapter is not None and not self._acquire_slot(seq, out):
                     continue
                 self.waiting.remove(seq)
                 self.block_manager.allocate(seq, n)
@@ -231,25 +236,34 @@ class Scheduler:
                 budget -= n
         return out
 
-    def _acquire_adapter(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _acquire_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """True when `seq` now holds a slot for its adapter; a failed adapter finishes it."""
         if self.adapters is None:
             raise RuntimeError(f"request {seq.request_id!r} has an adapter but LoRA is not enabled")
-        try:
-            return self.adapters.acquire(seq)
-        except AdapterUnavailable as exc:
+        error = self.adapters.load_error(seq.adapter)
+        if error is not None:
             self.waiting.remove(seq)
-            seq.error = str(exc)
+            seq.error = error
             self._finish(seq, FinishReason.ERROR)
             out.failed.append(seq)
             return False
+        slot = self.adapters.acquire(seq.adapter)
+        if slot is None:
+            return False
+        seq.adapter_slot = slot
+        return True
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.adapter_slot >= 0:
+            self.adapters.release(seq.adapter_slot)
+            seq.adapter_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s KV (recompute later) and put it back at the front of the queue."""
         self.running.remove(seq)
         self.block_manager.free(seq)
-        if seq.lora is not None and self.adapters is not None:
-            self.adapters.release(seq, finished=False)
+        if seq.adapter is not None and self.adapters is not None:
+            self._release_slot(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.push_front(seq)

@@ -36,10 +36,10 @@ class Sequence:
     params: SamplingParams
     # Upper bound on prompt + output tokens: the model's context length.
     max_model_len: int
-    # The adapter this request runs with (an opaque handle owned by the LoRA manager; None:
+    # The adapter this request runs with (an opaque handle owned by the adapter manager; None:
     # the base model) and the device slot it holds while running (-1: none / base model).
-    lora: Any = None
-    lora_slot: int = -1
+    adapter: Any = None
+    adapter_slot: int = -1
     # Tenant fairness hooks (the inference server sets these; FCFS ignores them).
     tenant: str | None = None
     weight: float = 1.0

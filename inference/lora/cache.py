@@ -4,7 +4,7 @@
     host ──copy into a preallocated slot (on_activate callback)──▶ device slots (max_loras)
 
 Plain Python over opaque adapter objects (anything with `.id` and `.nbytes`), so it is
-tested without tensors; the LoRA layer manager supplies `load` (disk → validated host
+tested without tensors; the adapter manager (manager.py) supplies `load` (disk → validated host
 adapter) and `on_activate(slot, adapter)` / `on_deactivate(slot)` (host → device copy).
 
 Rules (the design's, made checkable):

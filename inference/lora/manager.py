@@ -13,10 +13,15 @@ name is re-added with different weights meanwhile, the request still runs the ad
 asked for, and nothing keyed by the old id (a slot, a cache entry) serves the new one. A
 retired record's adapter leaves the cache once its last request is done.
 
+The engine binds each request to a record (`bind` / `unbind`); the scheduler asks for a slot
+when it admits the request and gives it back on preemption or finish (`load_error`,
+`acquire` / `release`: the slot protocol of inference/engine/scheduler.py). Which sequence
+holds which slot is the scheduler's business: nothing here knows about sequences.
+
 Threads: `add`, `remove`, `pin`, `describe` and the stats may be called from any thread (the
-server's event loop); `bind`, `acquire`, `release` and `begin_step` only from the engine's
-step thread. Everything that touches slot tensors runs on the step thread: removals asked
-from elsewhere are queued and applied at the next `begin_step`, between forwards.
+server's event loop); `bind`, `unbind`, the slot protocol and `begin_step` only from the
+engine's step thread. Everything that touches slot tensors runs on the step thread: removals
+asked from elsewhere are queued and applied at the next `begin_step`, between forwards.
 """
 
 from __future__ import annotations
@@ -34,8 +39,6 @@ from types import MappingProxyType
 
 import torch
 
-from inference.engine.scheduler import AdapterUnavailable
-from inference.engine.sequence import Sequence
 from inference.lora.adapter import LoRAAdapter, LoRAModuleWeights, load_adapter
 from inference.lora.cache import AdapterCache, Tier
 from inference.lora.request import LoRARequest
@@ -86,7 +89,7 @@ class AdapterRecord:
         return self.id is not None
 
 
-class LoRAManager:
+class AdapterManager:
     def __init__(
         self,
         model: torch.nn.Module,
@@ -202,9 +205,11 @@ class LoRAManager:
         with self._lock:
             return name in self._current or name in self._pending
 
-    def bind(self, lora: str | LoRARequest, seq: Sequence) -> None:
-        """Attach the adapter `lora` names to a new request (step thread). A LoRARequest whose
-        name or path is new starts a background load; the request waits for it."""
+    def bind(self, lora: str | LoRARequest) -> AdapterRecord:
+        """The record a new request for `lora` runs with, one user counted (step thread): a
+        registered name's current record, or for a LoRARequest whose name or path is new, a
+        record whose background load starts now (the request waits for it). Raises
+        AdapterNotFoundError for an unknown name."""
         with self._lock:
             if isinstance(lora, LoRARequest):
                 path = Path(lora.path)
@@ -220,7 +225,14 @@ class LoRAManager:
                 if record is None:
                     raise AdapterNotFoundError(lora)
             record.users += 1
-            seq.lora = record
+            return record
+
+    def unbind(self, record: AdapterRecord) -> None:
+        """A request bound to `record` is finished for good (step thread)."""
+        with self._lock:
+            record.users -= 1
+            if record.retired and record.users == 0:
+                self._on_step_thread.append(self._drop_retired)
 
     def _retire(self, record: AdapterRecord) -> None:
         record.retired = True
@@ -240,30 +252,25 @@ class LoRAManager:
             self._retired = keep
 
     # -- the scheduler's slot protocol (step thread) -------------------------------------------
-    def acquire(self, seq: Sequence) -> bool:
-        record: AdapterRecord = seq.lora
+    def load_error(self, record: AdapterRecord) -> str | None:
+        """Why `record`'s adapter can never be served (its load failed, or its reload after a
+        host eviction did); None while it is loading or loaded."""
         if record.error is not None:
-            raise AdapterUnavailable(record.error)
-        if not record.ready:
-            return False  # still loading
-        if self.cache.tier(record.id) is Tier.FAILED:  # evicted from host, then failed to reload
-            raise AdapterUnavailable(self.cache.entries[record.id].error)
-        slot = self.cache.acquire(record.id)
-        if slot is None:
-            return False
-        seq.lora_slot = slot
-        return True
+            return record.error
+        if record.ready and self.cache.tier(record.id) is Tier.FAILED:
+            return self.cache.entries[record.id].error
+        return None
 
-    def release(self, seq: Sequence, finished: bool) -> None:
-        if seq.lora_slot >= 0:
-            self.cache.release(seq.lora_slot)
-            seq.lora_slot = -1
-        if finished:
-            record: AdapterRecord = seq.lora
-            with self._lock:
-                record.users -= 1
-                if record.retired and record.users == 0:
-                    self._on_step_thread.append(self._drop_retired)
+    def acquire(self, record: AdapterRecord) -> int | None:
+        """A device slot holding `record`'s adapter, with a reference taken; None while it is
+        still loading or every slot is held by other running adapters."""
+        if not record.ready:
+            return None
+        return self.cache.acquire(record.id)
+
+    def release(self, slot: int) -> None:
+        """Drop one reference on `slot` (its request was preempted or finished)."""
+        self.cache.release(slot)
 
     def begin_step(self) -> None:
         """Apply what other threads asked for that touches slots (step thread, between forwards)."""

@@ -47,8 +47,8 @@ class EngineSnapshot:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    running_loras: tuple[str, ...] = ()
-    waiting_loras: tuple[str, ...] = ()
+    running_adapters: tuple[str, ...] = ()  # adapter name of each running request that has one
+    waiting_adapters: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -56,7 +56,7 @@ class RequestStream:
     """The outputs of the engine requests one client request submitted, in arrival order."""
 
     request_ids: list[str]
-    lora: str | None = None  # the adapter the requests use (metrics labels)
+    adapter_name: str | None = None  # the adapter the requests use (metrics labels); None: the base
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Requests whose final output the consumer has not taken yet.
     unfinished: set[str] = field(default_factory=set)
@@ -134,8 +134,8 @@ class AsyncEngine:
         self._check_alive()
         base = f"req-{next(self._ids)}"
         ids = [base] if len(requests) == 1 else [f"{base}-{i}" for i in range(len(requests))]
-        lora = requests[0].get("lora")
-        stream = RequestStream(ids, lora=lora if isinstance(lora, str) or lora is None else lora.name)
+        lora = requests[0].get("lora")  # add_request's: an adapter name or a LoRARequest
+        stream = RequestStream(ids, adapter_name=lora if isinstance(lora, str) or lora is None else lora.name)
         for request_id in ids:  # registered first, so no output can arrive before its stream exists
             self._streams[request_id] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -273,11 +273,11 @@ class AsyncEngine:
             num_preemptions=stats.num_preemptions,
             prompt_tokens=stats.prompt_tokens,
             generation_tokens=stats.generation_tokens,
-            running_loras=tuple(_adapter_name(s) for s in scheduler.running if s.lora is not None),
-            waiting_loras=tuple(_adapter_name(s) for s in scheduler.waiting if s.lora is not None),
+            running_adapters=tuple(_adapter_name(s) for s in scheduler.running if s.adapter is not None),
+            waiting_adapters=tuple(_adapter_name(s) for s in scheduler.waiting if s.adapter is not None),
         )
 
 
 def _adapter_name(seq) -> str:
-    # seq.lora is the LoRA manager's record of the adapter the request bound to.
-    return getattr(seq.lora, "name", "?")
+    # seq.adapter is the adapter manager's record of the adapter the request bound to.
+    return getattr(seq.adapter, "name", "?")

@@ -36,7 +36,7 @@ def token_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> list[dict]:
 
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
     serving.check_ready()
-    lora = serving.resolve_model(body.model)
+    adapter_name = serving.resolve_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     if body.stream_options is not None and not body.stream:
@@ -44,7 +44,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     messages = [m.as_template_dict() for m in body.messages]
-    extra = engine_kwargs(body, lora)
+    extra = engine_kwargs(body, adapter_name)
     requests = [
         {"messages": messages, "params": sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, choice=i),
          **extra}

@@ -55,7 +55,7 @@ def text_logprobs(tokenizer, logprobs: list[TokenLogprob], offset: int, top: boo
 
 async def create_completion(serving: Serving, body: CompletionRequest, request: Request) -> Response:
     serving.check_ready()
-    lora = serving.resolve_model(body.model)
+    adapter_name = serving.resolve_model(body.model)
     if body.echo:
         raise APIError(400, "echo: not supported", param="echo")
     if body.suffix is not None:
@@ -68,7 +68,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} choices", param="n")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
-    extra = engine_kwargs(body, lora)
+    extra = engine_kwargs(body, adapter_name)
     requests, prompt_index = [], []
     for p, prompt in enumerate(prompts):
         for i in range(body.n):

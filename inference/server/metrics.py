@@ -60,7 +60,7 @@ class ServerMetrics:
             if out.latency is not None:
                 self.e2e.labels(model).observe(out.latency)
             self.success.labels(model, out.finish_reason or "unknown").inc()
-            self.adapter_requests.labels(stream.lora or "").inc()
+            self.adapter_requests.labels(stream.adapter_name or "").inc()
 
 
 class _EngineCollector:
@@ -103,8 +103,8 @@ class _EngineCollector:
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Adapters of running and waiting requests (value: scrape time).",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        info.add_metric([str(llm.config.max_loras), ",".join(sorted(set(snap.running_loras))),
-                         ",".join(sorted(set(snap.waiting_loras)))], time.time())
+        info.add_metric([str(llm.config.max_loras), ",".join(sorted(set(snap.running_adapters))),
+                         ",".join(sorted(set(snap.waiting_adapters)))], time.time())
         yield info
 
         adapters = llm.list_adapters()

@@ -217,10 +217,10 @@ def now() -> int:
     return int(time.time())
 
 
-def engine_kwargs(body: _Sampling, lora: str | None) -> dict:
+def engine_kwargs(body: _Sampling, adapter_name: str | None) -> dict:
     kwargs: dict = {"tenant": body.tenant}
     if body.tenant_weight is not None:
         kwargs["weight"] = body.tenant_weight
-    if lora is not None:
-        kwargs["lora"] = lora
+    if adapter_name is not None:
+        kwargs["lora"] = adapter_name
     return kwargs

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
+from inference.lora.errors import AdapterError
 from inference.lora.manager import AdapterNotFoundError
 from inference.lora.request import LoRARequest
-from inference.lora.validation import AdapterError
 from tests.inference.lora.peft_adapters import write_peft_adapter
 from tests.inference.models.tiny_llama import write_tiny_checkpoint
 
@@ -98,7 +98,7 @@ def test_readding_a_name_gives_a_new_id_and_bound_requests_keep_the_old(engine: 
     assert done[early].token_ids == old_tokens
     assert done[late].token_ids != old_tokens
     engine.step()  # the old id leaves the cache once nothing uses it
-    assert old.id not in engine.lora.cache.entries
+    assert old.id not in engine.adapters.cache.entries
     assert [i.id for i in engine.list_adapters()] == [new.id]
 
 
@@ -197,8 +197,8 @@ def test_remove_lets_running_requests_finish_and_refuses_new_ones(engine: LLMEng
         engine.add_request(PROMPT, GREEDY, lora="a")
     assert engine.run_until_done([running])[running].token_ids == expected
     engine.step()
-    assert engine.list_adapters() == [] and info.id not in engine.lora.cache.entries
-    assert engine.lora.slots.ranks.tolist() == [0, 0]  # its slot was cleared
+    assert engine.list_adapters() == [] and info.id not in engine.adapters.cache.entries
+    assert engine.adapters.slots.ranks.tolist() == [0, 0]  # its slot was cleared
     with pytest.raises(AdapterNotFoundError):
         engine.remove_adapter("a")
 
@@ -244,7 +244,7 @@ def test_one_step_never_holds_more_adapters_than_slots(engine: LLMEngine, root: 
         for out in engine.step():
             if out.finished:
                 pending.discard(out.request_id)
-        in_step = {seq.lora_slot for seq in engine.scheduler.running}
+        in_step = {seq.adapter_slot for seq in engine.scheduler.running}
         assert len(in_step) <= 2 and -1 not in in_step
 
 

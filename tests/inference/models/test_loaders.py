@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from inference.layers.rotary import rope_inv_freq
 from inference.models.config import LlamaConfig, RopeScaling
 from inference.models.gguf_loader import unpermute_qk
-from inference.models.llama import rope_inv_freq
 from inference.models.loader import load_model
 from tests.inference.models.tiny_llama import (
     LLAMA3_ROPE,
@@ -109,7 +109,10 @@ def test_gguf_rope_freqs_equal_llama3_scaling(tmp_path):
     gguf_style = LlamaConfig(**base, rope_freq_factors=factors)
     assert len(set(factors)) > 2  # kept, slowed and blended bands all occur
     torch.testing.assert_close(
-        rope_inv_freq(hf_style), rope_inv_freq(gguf_style), rtol=1e-6, atol=0
+        rope_inv_freq(16, 5000.0, scaling=hf_style.rope_scaling),
+        rope_inv_freq(16, 5000.0, freq_factors=gguf_style.rope_freq_factors),
+        rtol=1e-6,
+        atol=0,
     )
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inference.engine.attention import allocate_kv_cache, build_attention_metadata
+from inference.layers.attention import allocate_kv_cache
+from inference.layers.attention_metadata import build_attention_metadata
 from inference.models.llama import LlamaForCausalLM
 
 BLOCK = 16
@@ -177,7 +178,11 @@ def greedy(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int = 
     dtype = model.embed_tokens.weight.dtype
     blocks_per_seq = [-(-(len(p) + new_tokens) // BLOCK) for p in prompts]
     num_blocks = sum(blocks_per_seq)
-    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK, dtype)
+    c = model.config
+    kv_caches = allocate_kv_cache(
+        num_layers=c.num_hidden_layers, num_blocks=num_blocks, block_size=BLOCK,
+        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=dtype,
+    )  # fmt: skip
     tables, next_block = [], num_blocks
     for n in blocks_per_seq:
         next_block -= n

@@ -11,12 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.engine.attention import (
-    allocate_kv_cache,
-    build_attention_metadata,
-    paged_attention,
-)
-from inference.models.config import LlamaConfig
+from inference.layers.attention import allocate_kv_cache, paged_attention
+from inference.layers.attention_metadata import build_attention_metadata
 
 BLOCK = 16
 NUM_BLOCKS = 1024
@@ -26,16 +22,9 @@ def make_batch(specs, Hq, Hkv, D, dtype, seed=0):
     """specs: [(seq_len, query_len)] -> everything a call and its reference need."""
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randperm(NUM_BLOCKS, generator=g).tolist()  # shuffled: tables are not contiguous
-    config = LlamaConfig(
-        vocab_size=10,
-        hidden_size=Hq * D,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=Hq,
-        num_key_value_heads=Hkv,
-        head_dim=D,
+    ((k_cache, v_cache),) = allocate_kv_cache(
+        num_layers=1, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_kv_heads=Hkv, head_dim=D, dtype=dtype
     )
-    ((k_cache, v_cache),) = allocate_kv_cache(config, NUM_BLOCKS, BLOCK, dtype)
     # finite garbage everywhere, so a slot that is not masked out would show
     k_cache.copy_(torch.randn(k_cache.shape, generator=g) * 3)
     v_cache.copy_(torch.randn(v_cache.shape, generator=g) * 3)

@@ -1,0 +1,143 @@
+"""LoRALinear: a Linear whose output takes, per token, the delta of that token's adapter.
+
+    y[t] = x[t]·Wᵀ (+ b) + Σ_s (x[t]·A_s[slot]ᵀ)·B_s[slot]ᵀ      slot = the token's adapter slot
+                                                              (none: the base product alone)
+
+Per output slice s (q, k, v of qkv_proj; gate, up of gate_up_proj; the one slice of o_proj and
+down_proj) the layer holds a stack over the device slots, zero beyond each adapter's rank:
+
+    A_s [max_loras, max_rank, in_features]     B_s [max_loras, n_s, max_rank]   (scale in B)
+
+Until `create_slots` runs (the engine does when LoRA is enabled) there are no stacks and it
+is a plain Linear. Filling and clearing slots is the LoRA slot manager's job
+(inference/lora/slots.py); which tokens use which slot arrives with each forward as the step's
+`LoRABatchMetadata`, built once per step for every layer. All adapters of a step are added
+in one `add_lora` call per projection (kernels/lora_ops.py).
+
+The stacks are plain attributes, not parameters or buffers: they are not checkpoint weights
+(the state dict and its loaders never see them) and are counted apart in memory stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+
+from inference.layers.linear import Linear, linear, linear_fp32, upcasts_to_fp32
+from kernels.lora_ops import add_lora
+from kernels.metadata import LoRABatchMetadata
+
+# (a [r, in_features], b [n_s, r] with the scale folded in) for one slice, or None: not adapted
+SliceWeights = tuple[torch.Tensor, torch.Tensor] | None
+
+
+class LoRALinear(Linear):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        *,
+        slice_names: Sequence[str],
+        bias: bool = False,
+    ) -> None:
+        """slice_names: the PEFT module of each output slice, e.g. ("q_proj", "k_proj", "v_proj")."""
+        super().__init__(in_features, output_sizes, bias=bias)
+        if len(slice_names) != len(self.output_sizes):
+            raise ValueError(
+                f"slice_names: {len(slice_names)} names for {len(self.output_sizes)} output slices"
+            )
+        self.slice_names = tuple(slice_names)
+        self.slice_offsets = [0, *accumulate(self.output_sizes)][:-1]
+        self.lora_a: list[torch.Tensor] = []  # per slice [max_loras, max_rank, in_features]
+        self.lora_b: list[torch.Tensor] = []  # per slice [max_loras, n_s, max_rank]
+        # Slots with weights in each slice. Only slices some resident adapter adapts are
+        # multiplied: an all-q/v fleet pays nothing for k (the kernels take any slice subset).
+        self._filled: list[set[int]] = []
+        # (A stacks, B stacks, column offsets) of the filled slices; None: nothing to add.
+        self._live: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
+
+    # -- slots (the slot manager, on the engine's step thread) ------------------------------
+    def create_slots(
+        self, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Preallocate zeroed stacks for `max_loras` adapters of rank up to `max_rank`."""
+        self.lora_a = [
+            torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=device)
+            for _ in self.output_sizes
+        ]
+        self.lora_b = [
+            torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
+            for n in self.output_sizes
+        ]
+        self._filled = [set() for _ in self.output_sizes]
+        self._refresh()
+
+    def set_slot(self, slot: int, weights: Sequence[SliceWeights]) -> None:
+        """Put one adapter's matrices (one entry per slice, in slice_names order) in `slot`."""
+        if len(weights) != len(self.output_sizes):
+            raise ValueError(f"weights: {len(weights)} entries for {len(self.output_sizes)} slices")
+        for i, w in enumerate(weights):
+            self.lora_a[i][slot].zero_()
+            self.lora_b[i][slot].zero_()
+            if w is None:
+                self._filled[i].discard(slot)
+                continue
+            a, b = w
+            r = a.shape[0]
+            self.lora_a[i][slot, :r].copy_(a, non_blocking=True)  # [r, in]
+            self.lora_b[i][slot, :, :r].copy_(b, non_blocking=True)  # [n_s, r]
+            self._filled[i].add(slot)
+        self._refresh()
+
+    def clear_slot(self, slot: int) -> None:
+        for i, filled in enumerate(self._filled):
+            if slot in filled:
+                self.lora_a[i][slot].zero_()
+                self.lora_b[i][slot].zero_()
+                filled.discard(slot)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        live = [i for i, filled in enumerate(self._filled) if filled]
+        # Swapped in as one tuple, so a forward reading it sees either the old set or the new.
+        self._live = (
+            (
+                [self.lora_a[i] for i in live],
+                [self.lora_b[i] for i in live],
+                [self.slice_offsets[i] for i in live],
+            )
+            if live
+            else None
+        )
+
+    @property
+    def adapted(self) -> bool:
+        """Some slot holds an adapter that adapts this projection."""
+        return self._live is not None
+
+    @property
+    def lora_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.lora_a + self.lora_b)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, lora_meta: LoRABatchMetadata | None = None) -> torch.Tensor:
+        # x [T, in] -> [T, out]; lora_meta None: no token of this step has an adapter
+        live = self._live
+        if lora_meta is None or live is None:
+            return linear(x, self.weight, self.bias)
+        a, b, offsets = live
+        if upcasts_to_fp32(x):
+            # bf16 on this CPU computes in fp32 anyway: add the adapters' delta to the fp32
+            # product, in place, and round once (no second upcast of x, no [T, out] temporary).
+            x32 = x.float()  # [T, in]
+            out32 = linear_fp32(x32, self.weight, self.bias)  # [T, out] fp32
+            add_lora(out32, x32, a, b, lora_meta, offsets)
+            return out32.to(x.dtype)
+        out = linear(x, self.weight, self.bias)  # [T, out]
+        add_lora(out, x, a, b, lora_meta, offsets)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, slice_names={self.slice_names}"

@@ -1,0 +1,102 @@
+"""LoRALinear: each token gets the delta of the adapter in its slot, slice by slice of a fused
+projection; tokens without an adapter (and every token of a step without adapters) get exactly
+the base product; a slice no resident adapter adapts adds nothing; a cleared slot is gone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.layers import linear as linear_module
+from inference.layers.lora_linear import LoRALinear
+from kernels.metadata import build_lora_metadata
+
+IN, SIZES, MAX_LORAS, MAX_RANK = 24, [16, 8, 8], 3, 8
+
+
+def make_layer(dtype: torch.dtype) -> LoRALinear:
+    torch.manual_seed(0)
+    layer = LoRALinear(IN, SIZES, slice_names=("q_proj", "k_proj", "v_proj"), bias=True)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.2)
+        layer.bias.normal_(0, 0.2)
+    layer = layer.to(dtype)
+    layer.create_slots(MAX_LORAS, MAX_RANK, dtype, torch.device("cpu"))
+    return layer
+
+
+def random_slice(rank: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(rank, IN) * 0.3).to(dtype), (torch.randn(n, rank) * 0.3).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype, bf16_units",
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["fp32", "bf16", "bf16-fp32-path"],
+)
+def test_each_token_gets_its_slots_delta_slice_by_slice(dtype, bf16_units, monkeypatch):
+    if not bf16_units:  # the path of CPUs without AVX512-BF16/AMX, taken here on any CPU
+        monkeypatch.setattr(linear_module, "CPU_HAS_BF16_MATMUL", False)
+    layer = make_layer(dtype)
+    # slot 0: rank 4 on q and v only; slot 2: rank 8 on all three; slot 1 stays empty
+    slot0 = [random_slice(4, 16, dtype), None, random_slice(4, 8, dtype)]
+    slot2 = [random_slice(8, n, dtype) for n in SIZES]
+    layer.set_slot(0, slot0)
+    layer.set_slot(2, slot2)
+    token_slots = torch.tensor([2, -1, 0, 0, 2, -1, 0, 2, 2])
+    meta = build_lora_metadata(token_slots, torch.tensor([4, 0, 8]))
+    x = torch.randn(len(token_slots), IN).to(dtype)
+
+    out = layer(x, meta)
+
+    x32 = x.float()
+    expected = x32 @ layer.weight.float().T + layer.bias.float()  # [T, 32]
+    for t, slot in enumerate(token_slots.tolist()):
+        weights = {0: slot0, 2: slot2}.get(slot, [None] * 3)
+        for (a, b), lo, n in ((w, lo, n) for w, lo, n in zip(weights, [0, 16, 24], SIZES, strict=True) if w):
+            expected[t, lo : lo + n] += x32[t] @ a.float().T @ b.float().T
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out.float(), expected, **tol)
+    base = layer(x)  # no metadata: the base product alone
+    assert torch.equal(out[token_slots < 0], base[token_slots < 0])
+    assert torch.equal(out[token_slots == 0, 16:24], base[token_slots == 0, 16:24])  # slot 0 skips k
+
+
+def test_unadapted_slices_and_cleared_slots_add_nothing():
+    layer = make_layer(torch.float32)
+    x = torch.randn(4, IN)
+    meta = build_lora_metadata(torch.tensor([0, 0, -1, 0]), torch.tensor([4, 0, 0]))
+    assert not layer.adapted and torch.equal(layer(x, meta), layer(x))  # no adapter resident
+
+    layer.set_slot(0, [None, random_slice(4, 8, torch.float32), None])  # k only
+    assert layer.adapted
+    out = layer(x, meta)
+    assert torch.equal(out[:, :16], layer(x)[:, :16]) and torch.equal(out[:, 24:], layer(x)[:, 24:])
+    assert not torch.equal(out[:, 16:24], layer(x)[:, 16:24])
+
+    layer.clear_slot(0)
+    assert not layer.adapted and torch.equal(layer(x, meta), layer(x))
+    assert all(t.abs().sum() == 0 for t in layer.lora_a + layer.lora_b)
+    assert layer.lora_nbytes == 4 * MAX_LORAS * MAX_RANK * (3 * IN + sum(SIZES))
+
+
+def test_refilling_a_slot_replaces_the_previous_adapter_entirely():
+    layer = make_layer(torch.float32)
+    x = torch.randn(2, IN)
+    # ranked 8 in the metadata: the torch path reads up to rank 8, so rows 2..7 must be zero again
+    meta = build_lora_metadata(torch.tensor([1, 1]), torch.tensor([0, 8, 0]))
+    new = [random_slice(2, 16, torch.float32), None, None]
+    layer.set_slot(1, [random_slice(8, n, torch.float32) for n in SIZES])
+    layer.set_slot(1, new)  # rank 2, q only: the old rank-8 rows and k/v must be gone
+    expected = layer(x)
+    expected[:, :16] += x @ new[0][0].T @ new[0][1].T
+    torch.testing.assert_close(layer(x, meta), expected)
+    assert layer.lora_a[0][1, 2:].abs().sum() == 0 and layer.lora_b[1][1].abs().sum() == 0
+
+
+def test_wrong_slice_counts_are_refused_by_name():
+    with pytest.raises(ValueError, match="slice_names"):
+        LoRALinear(IN, SIZES, slice_names=("q_proj", "k_proj"))
+    layer = make_layer(torch.float32)
+    with pytest.raises(ValueError, match="weights"):
+        layer.set_slot(0, [None, None])
