@@ -178,7 +178,7 @@ LOGIN_REDIRECT_URL = "console:tenants"
 
 INFERENCE_URLS = list(CONFIG.inference_urls)
 INFERENCE_ADMIN_TOKEN = CONFIG.inference_admin_token
-PORTAL_INTERNAL_URL = CONFIG.portal_internal_url  # read by portal.adapters.staging
+PORTAL_INTERNAL_URL = CONFIG.portal_internal_url  # read by portal.fleet.client (the load body's lora_url)
 
 # HTTPS. Production sits behind a TLS-terminating proxy that sets X-Forwarded-Proto (it must
 # overwrite a client's own); the flags below are off in development.

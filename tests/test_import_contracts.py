@@ -16,7 +16,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
-PACKAGES = ("portal", "inference", "kernels")
+PACKAGES = ("portal", "inference", "kernels", "protocol")
 WEB_CONTRACT = "The web side never imports torch, triton or the inference side"
 INFERENCE_CONTRACT = "The inference side never imports the web stack"
 KERNELS_CONTRACT = "Kernels stand alone: the inference side imports kernels, never the reverse"
@@ -106,3 +106,97 @@ def test_inference_planted_in_kernels_breaks_the_kernels_contract(tree_copy):
     assert f"{KERNELS_CONTRACT} BROKEN" in result.stdout
     assert f"{WEB_CONTRACT} KEPT" in result.stdout
     assert "kernels.planted -> inference.engine.sequence" in result.stdout
+
+
+CONTRACT_NAMES = [contract["name"] for contract in
+                  tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]]
+# A violation per structural contract, planted all at once: (file, its import, the contract's
+# name prefix, the chain lint-imports must print).
+PLANTED = [
+    ("protocol/planted.py", "import django\n", "The shared protocol stands alone", "protocol.planted -> django"),
+    ("inference/engine/planted.py", "from inference.server import app\n", "Inference layers",
+     "inference.engine.planted -> inference.server.app"),
+    ("inference/models/planted.py", "from inference.lora import manager\n", "Inference layers",
+     "inference.models.planted -> inference.lora.manager"),
+    ("portal/core/planted.py", "from portal.tenants import models\n", "portal.core imports no app",
+     "portal.core.planted -> portal.tenants.models"),
+    ("portal/keys/selectors.py", "from portal.keys import services\n", "Inside each portal app",
+     "portal.keys.selectors -> portal.keys.services"),
+    ("portal/adapters/traffic.py", "from portal.adapters import staging\n", "portal.adapters:",
+     "portal.adapters.traffic -> portal.adapters.staging"),
+    ("portal/gateway/auth.py", "from portal.gateway import relay\n", "portal.gateway:",
+     "portal.gateway.auth -> portal.gateway.relay"),
+]
+
+
+def test_each_structural_contract_bites(tree_copy):
+    for path, line, _, _ in PLANTED:
+        target = tree_copy / path
+        target.write_text(line + (target.read_text() if target.exists() else ""))
+
+    result = lint_imports(tree_copy, "contracts.toml")
+
+    assert result.returncode != 0
+    squashed = "".join(result.stdout.split())  # lint-imports wraps long names anywhere
+
+    def said(text: str) -> bool:
+        return "".join(text.split()) in squashed
+
+    for _, _, prefix, chain in PLANTED:
+        [name] = [n for n in CONTRACT_NAMES if n.startswith(prefix)]
+        assert said(f"{name} BROKEN"), (name, result.stdout)
+        assert said(chain), (chain, result.stdout)
+    assert said(f"{WEB_CONTRACT} KEPT")
+
+
+def import_cycles(graph) -> list[list[str]]:
+    """The import cycles of a grimp graph: its strongly connected components of more than one
+    module (Tarjan's algorithm, iterative)."""
+    modules = sorted(graph.modules)
+    edges = {module: sorted(graph.find_modules_directly_imported_by(module)) for module in modules}
+    order, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def enter(node: str) -> None:
+        order[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+
+    for root in modules:
+        if root in order:
+            continue
+        enter(root)
+        work = [(root, iter(edges[root]))]
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == order[node]:
+                    component = []
+                    while (member := stack.pop()) != node:
+                        on_stack.discard(member)
+                        component.append(member)
+                    on_stack.discard(node)
+                    if component:
+                        cycles.append(sorted([node, *component]))
+            elif child not in order:
+                enter(child)
+                work.append((child, iter(edges.get(child, ()))))
+            elif child in on_stack:
+                low[node] = min(low[node], order[child])
+    return cycles
+
+
+def test_no_module_of_the_project_imports_itself_back():
+    """No import cycle between modules anywhere in the project (grimp: the graph lint-imports
+    uses, so an import inside a function counts too)."""
+    import grimp
+
+    graph = grimp.build_graph(*PACKAGES)
+    assert import_cycles(graph) == []
+
+    graph.add_import(importer="portal.gateway.errors", imported="portal.gateway.views")  # planted
+    assert any({"portal.gateway.errors", "portal.gateway.views"} <= set(cycle) for cycle in import_cycles(graph))

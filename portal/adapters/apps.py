@@ -1,5 +1,7 @@
 from django.apps import AppConfig
 
+from portal.celery import app
+
 
 class AdaptersConfig(AppConfig):
     name = "portal.adapters"
@@ -7,9 +9,9 @@ class AdaptersConfig(AppConfig):
     verbose_name = "Adapters"
 
     def ready(self) -> None:
-        # Import the modules that define Celery tasks so a worker process registers them, and
-        # put the hourly predictive prewarm on the beat schedule.
-        from portal.adapters import prewarm, staging, tasks  # noqa: F401
-        from portal.celery import app
+        # Django's rule: an app's modules that touch models load once the registry is ready, so
+        # here and not at the top. The tasks module registers the app's Celery tasks (services
+        # start them by name); prewarm puts the hourly entry on the beat schedule.
+        from portal.adapters import prewarm, tasks  # noqa: F401
 
         prewarm.register_beat(app)

@@ -3,27 +3,25 @@ whether the adapter is kept warm (pinned) on the workers.
 
     deployment_set_weights(adapter=, weights={3: 90, 4: 10}, actor=)   ready versions, weights >= 0,
         sum > 0; {} = the newest ready version. Audited; effective on the next request.
-    deployment_pick_version(adapter=, request_id=) -> AdapterVersion | None
-        deterministic per request id: sha256(request_id) mod total weight walks the weights in
-        version order; no weights (or none of them ready) -> the newest ready version.
-    deployment_resolve(tenant=, model=, request_id=) -> ResolvedAdapter | None
-        what the gateway calls: `tenant/name@vN` pins vN, `tenant/name` picks by the weights.
     deployment_set_always_warm(adapter=, enabled=, actor=)   plan-gated
         (plan_for(tenant.plan).always_warm_adapters; over the limit -> LimitExceeded, a 403);
         after commit the deployed versions are staged and pinned on every worker, or unpinned.
+    deployment_update(adapter=, actor=, weights=, always_warm=)   either or both, one transaction
+    deployment_get(adapter=)   the adapter's Deployment (made on first use)
+
+Which version a request gets (the weights, read) is portal.adapters.traffic.
 """
 
 from __future__ import annotations
 
-import hashlib
 from functools import partial
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
-from portal.adapters import limits
+from portal.adapters import limits, staging
 from portal.adapters.models import Adapter, AdapterVersion, AuditEvent, Deployment
-from portal.adapters.selectors import MODEL_ID, ResolvedAdapter, adapter_version_resolve
+from portal.adapters.traffic import deployed_versions
 from portal.core.exceptions import InvalidInput
 from portal.tenants.models import Tenant
 from portal.tenants.plans import plan_for
@@ -81,68 +79,6 @@ def deployment_set_weights(*, adapter: Adapter, weights: dict[int, int], actor: 
     return deployment
 
 
-def deployed_versions(*, adapter: Adapter) -> list[AdapterVersion]:
-    """The ready versions the deployment sends traffic to (weight > 0, or the newest ready)."""
-    ready = {v.number: v for v in adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True)}
-    deployment = Deployment.objects.filter(adapter=adapter).first()
-    weights = {int(n): int(w) for n, w in ((deployment.weights if deployment else None) or {}).items()}
-    chosen = [ready[n] for n, w in sorted(weights.items()) if w > 0 and n in ready]
-    if chosen:
-        return chosen
-    return [ready[max(ready)]] if ready else []
-
-
-def request_bucket(request_id: str, total: int) -> int:
-    """sha256(request_id) as an integer, mod total: the same request id always lands the same."""
-    return int.from_bytes(hashlib.sha256(request_id.encode()).digest(), "big") % total
-
-
-def deployment_pick_version(*, adapter: Adapter, request_id: str) -> AdapterVersion | None:
-    """The version this request is served by (see the module docstring); None: nothing ready."""
-    ready = adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True) \
-        .select_related("adapter__tenant")
-    deployment = Deployment.objects.filter(adapter=adapter).only("weights").first()
-    return _pick(list(ready), deployment.weights if deployment else None, request_id)
-
-
-def _pick(ready_versions: list[AdapterVersion], weights: dict | None, request_id: str) -> AdapterVersion | None:
-    ready = {v.number: v for v in ready_versions}
-    if not ready:
-        return None
-    pairs = sorted((int(n), int(w)) for n, w in (weights or {}).items())
-    pairs = [(n, w) for n, w in pairs if w > 0 and n in ready]
-    total = sum(w for _, w in pairs)
-    if total <= 0:
-        return ready[max(ready)]
-    bucket = request_bucket(request_id, total)
-    for number, weight in pairs:
-        if bucket < weight:
-            return ready[number]
-        bucket -= weight
-    return ready[pairs[-1][0]]  # unreachable
-
-
-def deployment_resolve(*, tenant: Tenant, model: str, request_id: str) -> ResolvedAdapter | None:
-    """`tenant/name@vN` -> that ready version; `tenant/name` -> the deployment's pick (as
-    deployment_pick_version); another tenant's or an unknown adapter -> None (like a missing
-    one). One query on the request path: the ready versions with their adapter and deployment."""
-    m = MODEL_ID.match(model)
-    if m is None or m["tenant"] != tenant.slug:
-        return None
-    if m["number"]:
-        return adapter_version_resolve(tenant=tenant, model=model)
-    ready = list(AdapterVersion.objects.select_related("adapter__tenant", "adapter__deployment").filter(
-        adapter__tenant=tenant, adapter__name=m["name"], status=AdapterVersion.Status.READY, retired_at__isnull=True))
-    if not ready:
-        return None
-    try:
-        weights = ready[0].adapter.deployment.weights
-    except Deployment.DoesNotExist:
-        weights = None
-    version = _pick(ready, weights, request_id)
-    return ResolvedAdapter(public_id=model, version=version) if version is not None else None
-
-
 def deployment_set_always_warm(*, adapter: Adapter, enabled: bool, actor: AbstractBaseUser | None) -> Deployment:
     """Keep the adapter's deployed versions pinned on every worker (plan-gated), or stop."""
     with transaction.atomic():
@@ -170,8 +106,6 @@ def deployment_set_always_warm(*, adapter: Adapter, enabled: bool, actor: Abstra
 def _warm(adapter_id: int, enabled: bool) -> None:
     """After commit: stage the deployed versions (the stage task pins them when always-warm) and
     unpin the adapter's other versions; disabled: unpin them all."""
-    from portal.adapters import staging
-
     adapter = Adapter.objects.select_related("tenant").filter(pk=adapter_id).first()
     if adapter is None:
         return
@@ -183,3 +117,20 @@ def _warm(adapter_id: int, enabled: bool) -> None:
     for url in staging.stage_targets():
         for version in others:
             staging.worker_pin(worker_url=url, lora_name=version.worker_name, pinned=False)
+
+
+def deployment_get(*, adapter: Adapter) -> Deployment:
+    """The adapter's deployment (every adapter has one; made here for rows that predate that)."""
+    return Deployment.objects.get_or_create(adapter=adapter)[0]
+
+
+def deployment_update(*, adapter: Adapter, actor: AbstractBaseUser | None, weights: dict[int, int] | None = None,
+                      always_warm: bool | None = None) -> Deployment:
+    """Set the weights and/or always-warm (what the REST API's PUT takes) in one transaction:
+    both change or neither does."""
+    with transaction.atomic():
+        if weights is not None:
+            deployment_set_weights(adapter=adapter, weights=weights, actor=actor)
+        if always_warm is not None:
+            deployment_set_always_warm(adapter=adapter, enabled=always_warm, actor=actor)
+    return deployment_get(adapter=adapter)

@@ -33,7 +33,7 @@ from django.http import (
 from django.views.decorators.http import require_GET
 
 from portal.adapters.models import AdapterVersion
-from portal.adapters.validation import ADAPTER_FILES
+from protocol.adapter_format import ADAPTER_FILES
 
 CHUNK = 1 << 16
 

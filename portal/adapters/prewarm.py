@@ -9,8 +9,8 @@ The top ADAPTER_PREWARM_TOP_N adapters (default 8; a worker that reports its hos
 gets at most that many) have their deployed versions staged (portal.adapters.staging) on each
 enabled, healthy worker where the last fleet poll did not see them resident.
 
-prewarm_task runs hourly on Celery beat: call register_beat(app) once at start-up
-(portal/adapters/apps.py ready(), like portal.fleet does) to add the entry.
+prewarm_task (portal.adapters.tasks) runs hourly on Celery beat: call register_beat(app) once at
+start-up (portal/adapters/apps.py ready(), like portal.fleet does) to add the entry.
 """
 
 from __future__ import annotations
@@ -20,21 +20,23 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from celery import shared_task
 from django.conf import settings
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from portal.adapters import staging
 from portal.adapters.models import Adapter, AdapterVersion
+from portal.adapters.traffic import deployed_versions
 from portal.fleet.models import InferenceWorker
+from portal.usage.models import UsageRecord
 
 logger = logging.getLogger(__name__)
 
 PREWARM_DAYS = 7
-DEFAULT_TOP_N = 8
+PREWARM_TASK = "portal.adapters.prewarm.prewarm_task"  # its registered name (portal.adapters.tasks)
 BEAT_SCHEDULE = {
     "adapters-prewarm": {
-        "task": "portal.adapters.prewarm.prewarm_task",
+        "task": PREWARM_TASK,
         "schedule": 3600.0,
         "options": {"expires": 1800.0},  # a prewarm an hour late is worthless
     },
@@ -49,8 +51,6 @@ class PrewarmPlan:
 
 def prewarm_scores(*, now: datetime | None = None, days: int = PREWARM_DAYS) -> Counter[int]:
     """{adapter id: requests} over the same coming hour on the last `days` days plus the last hour."""
-    from portal.usage.models import UsageRecord
-
     now = now or timezone.now()
     window = Q(created_at__gte=now - timedelta(hours=1), created_at__lt=now)
     for d in range(1, days + 1):
@@ -66,10 +66,7 @@ def prewarm_scores(*, now: datetime | None = None, days: int = PREWARM_DAYS) -> 
 
 def prewarm(*, now: datetime | None = None, top_n: int | None = None) -> PrewarmPlan:
     """Stage the expected-busy adapters' deployed versions where they are not resident."""
-    from portal.adapters.deployments import deployed_versions
-    from portal.adapters.staging import version_stage_enqueue
-
-    top_n = int(top_n if top_n is not None else getattr(settings, "ADAPTER_PREWARM_TOP_N", DEFAULT_TOP_N))
+    top_n = int(top_n if top_n is not None else settings.ADAPTER_PREWARM_TOP_N)
     scores = prewarm_scores(now=now)
     ranked = [adapter_id for adapter_id, _ in sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))][:top_n]
     adapters = Adapter.objects.select_related("tenant").in_bulk(ranked)
@@ -90,17 +87,11 @@ def prewarm(*, now: datetime | None = None, top_n: int | None = None) -> Prewarm
     for version in versions:
         urls = by_version.get(version.pk)
         if urls:
-            for url in version_stage_enqueue(version=version, worker_urls=urls):
+            for url in staging.version_stage_enqueue(version=version, worker_urls=urls):
                 staged.setdefault(url, []).append(version.worker_name)
     if staged:
         logger.info("prewarm: %s", {url: len(names) for url, names in staged.items()})
     return PrewarmPlan(scores=dict(scores), staged=staged)
-
-
-@shared_task(ignore_result=True)
-def prewarm_task() -> int:
-    """Hourly: returns how many (worker, version) loads were enqueued."""
-    return sum(len(names) for names in prewarm().staged.values())
 
 
 def register_beat(app) -> None:

@@ -10,8 +10,10 @@ from django.conf import settings
 from django.db.models import QuerySet
 
 from portal.adapters.models import Adapter, AdapterVersion, AuditEvent
-from portal.adapters.validation import SMOLLM2_135M, BaseShapes
+from portal.adapters.validation import SMOLLM2_135M
+from portal.fleet.selectors import base_model_config
 from portal.tenants.models import Tenant
+from protocol.adapter_format import BaseShapes
 
 # tenant-slug/adapter-name or tenant-slug/adapter-name@vN
 MODEL_ID = re.compile(r"^(?P<tenant>[^/@\s]+)/(?P<name>[^/@\s]+)(?:@v(?P<number>[1-9][0-9]{0,8}))?$")
@@ -81,8 +83,6 @@ def base_shapes_current() -> BaseShapes:
     """The shapes uploads are validated against: the fleet's base model as its workers describe
     it (GET /v1/base_model, polled into InferenceWorker.base_config), else the default
     SmolLM2-135M-Instruct with max rank settings.ADAPTER_MAX_LORA_RANK (16 by default)."""
-    from portal.fleet.selectors import base_model_config
-
     max_rank = int(settings.ADAPTER_MAX_LORA_RANK)
     shapes = BaseShapes.from_config(base_model_config(), default_max_rank=max_rank)
     if shapes is not None:

@@ -9,7 +9,7 @@ django-storages), never held whole in memory:
                                                              which extracts the two files beside it
 
 Only those two files are ever stored: the model card, tokenizer and other harmless files that
-save_pretrained or the Trainer write beside them are accepted and dropped (adapter_files.py),
+save_pretrained or the Trainer write beside them are accepted and dropped (protocol/adapter_format/files.py),
 pickles and unknown binaries refused, the same way for files and for an archive's contents.
 
 Validation runs as a Celery task enqueued on commit; the version goes uploaded -> validating
@@ -33,24 +33,23 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
-from portal.adapters import limits
-from portal.adapters.adapter_files import EXPECTED, SNIFF_BYTES, file_role
+from portal.adapters import limits, selectors, staging
 from portal.adapters.archive import ArchiveError, archive_kind, extract_archive, find_adapter_root
 from portal.adapters.models import Adapter, AdapterVersion, AuditEvent, Deployment
-from portal.adapters.validation import (
-    ADAPTER_FILES,
-    BaseShapes,
-    content_sha256,
-    validate_adapter_dir,
-)
+from portal.adapters.validation import EXPECTED, content_sha256, validate_adapter_dir
 from portal.core.exceptions import InvalidInput, full_clean_or_raise
+from portal.core.jobs import enqueue
 from portal.tenants.models import Tenant
+from protocol.adapter_format import ADAPTER_FILES, BaseShapes
+from protocol.adapter_format.files import SNIFF_BYTES, file_role
 
 logger = logging.getLogger(__name__)
 
 STORAGE_PREFIX = "adapters"
 CHUNK = 1 << 20
 UNEXPECTED_FAILURE = "validation failed unexpectedly (the error is logged); upload the version again"
+# The validation task's registered name (portal.adapters.tasks calls this module; see portal.core.jobs).
+VALIDATE_TASK = "portal.adapters.tasks.adapter_version_validate_task"
 
 
 # --- audit -----------------------------------------------------------------------------------
@@ -162,7 +161,7 @@ def _upload_plan(files: list) -> tuple[str, dict[str, Any], list[str]]:
     """Check the shape of an upload -> (kind, {stored name: file}, ignored names):
     ("files", the two PEFT files, the harmless companions beside them that are not stored) or
     ("archive", {name: the one .zip/.tar.gz}, []). InvalidInput names every refused file and why,
-    then says what is expected; the same rules judge an archive's contents (adapter_files.py)."""
+    then says what is expected; the same rules judge an archive's contents (protocol/adapter_format/files.py)."""
     if not files:
         raise InvalidInput("files", f"the upload is empty: {EXPECTED}")
     names = [Path(str(getattr(f, "name", "") or "").replace("\\", "/")).name for f in files]
@@ -257,9 +256,7 @@ def adapter_version_upload(*, adapter: Adapter, files: list, actor: AbstractBase
 
 
 def _enqueue_validation(version_id: int) -> None:
-    from portal.adapters.tasks import adapter_version_validate_task
-
-    adapter_version_validate_task.delay(version_id)
+    enqueue(VALIDATE_TASK, version_id)
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -280,9 +277,7 @@ def adapter_version_validate(*, version_id: int, base: BaseShapes | None = None)
         version.save(update_fields=["status", "updated_at"])
 
     if base is None:
-        from portal.adapters.selectors import base_shapes_current
-
-        base = base_shapes_current()
+        base = selectors.base_shapes_current()  # a module attribute: tests stand in a tiny base
     try:
         with tempfile.TemporaryDirectory(prefix="adapter-validate-") as tmp:
             reasons, outcome = _validate_stored(version, Path(tmp), base)
@@ -391,11 +386,7 @@ def _finish_validation(version: AdapterVersion, reasons: list[str], result) -> A
 
 
 def _stage(version: AdapterVersion) -> None:
-    try:
-        from portal.adapters.staging import version_stage_enqueue
-    except ImportError:
-        return
-    version_stage_enqueue(version=version)
+    staging.version_stage_enqueue(version=version)
 
 
 # --- retire --------------------------------------------------------------------------------
@@ -435,88 +426,11 @@ def _retire(version: AdapterVersion) -> None:
 def _after_retire(version: AdapterVersion) -> None:
     """After commit: unload from the workers (the instance may outlive its row), free storage."""
     try:
-        from portal.adapters.staging import version_unstage
-    except ImportError:
-        version_unstage = None
-    if version_unstage is not None:
-        try:
-            version_unstage(version=version)
-        except Exception:
-            logger.exception("unstaging %s failed", version.worker_name)
+        staging.version_unstage(version=version)
+    except Exception:
+        logger.exception("unstaging %s failed", version.worker_name)
     if version.storage_dir:
         _delete_dir(version.storage_dir)
-
-
-# --- deployment (fallback when portal.adapters.deployments is absent) --------------------------
-
-
-def deployment_get(*, adapter: Adapter) -> Deployment:
-    deployment, _ = Deployment.objects.get_or_create(adapter=adapter)
-    return deployment
-
-
-@transaction.atomic
-def deployment_update(
-    *, adapter: Adapter, actor: AbstractBaseUser | None, weights: dict[int, int] | None = None,
-    always_warm: bool | None = None,
-) -> Deployment:
-    """Set weights and/or always-warm through the staging helper's deployments module when it
-    exists, else with the same rules here (ready versions only, weights >= 0, sum > 0)."""
-    try:
-        from portal.adapters import deployments
-    except ImportError:
-        deployments = None
-    if weights is not None:
-        if deployments is not None and hasattr(deployments, "deployment_set_weights"):
-            deployments.deployment_set_weights(adapter=adapter, weights=weights, actor=actor)
-        else:
-            _deployment_set_weights(adapter=adapter, weights=weights, actor=actor)
-    if always_warm is not None:
-        if deployments is not None and hasattr(deployments, "deployment_set_always_warm"):
-            deployments.deployment_set_always_warm(adapter=adapter, enabled=always_warm, actor=actor)
-        else:
-            _deployment_set_always_warm(adapter=adapter, enabled=always_warm, actor=actor)
-    return deployment_get(adapter=adapter)
-
-
-def _deployment_set_weights(*, adapter: Adapter, weights: dict[int, int], actor) -> None:
-    if weights:
-        ready = set(adapter.versions.filter(status=AdapterVersion.Status.READY).values_list("number", flat=True))
-        for number, weight in weights.items():
-            if number not in ready:
-                raise InvalidInput("weights", f"v{number} is not a ready version of {adapter.public_id}")
-            if weight < 0:
-                raise InvalidInput("weights", f"v{number}: a weight must be >= 0, got {weight}")
-        if sum(weights.values()) <= 0:
-            raise InvalidInput("weights", "the weights must add up to more than 0")
-    deployment = Deployment.objects.select_for_update().get_or_create(adapter=adapter)[0]
-    deployment.weights = {str(n): int(w) for n, w in sorted(weights.items())}
-    deployment.updated_by = _user(actor)
-    deployment.save()
-    audit_event_create(
-        tenant=adapter.tenant, actor=actor, action="deployment.weights_set", target=adapter.public_id,
-        details={"weights": deployment.weights},
-    )
-
-
-def _deployment_set_always_warm(*, adapter: Adapter, enabled: bool, actor) -> None:
-    from portal.tenants.plans import plan_for
-
-    deployment = Deployment.objects.select_for_update().get_or_create(adapter=adapter)[0]
-    if enabled and not deployment.always_warm:
-        allowed = plan_for(adapter.tenant.plan).always_warm_adapters
-        used = Deployment.objects.filter(adapter__tenant=adapter.tenant, always_warm=True).count()
-        if used >= allowed:
-            raise limits.LimitExceeded(
-                "always_warm", f"the {adapter.tenant.plan} plan allows {allowed} always-warm adapters; {used} in use"
-            )
-    deployment.always_warm = enabled
-    deployment.updated_by = _user(actor)
-    deployment.save()
-    audit_event_create(
-        tenant=adapter.tenant, actor=actor, action="deployment.always_warm_set", target=adapter.public_id,
-        details={"always_warm": enabled},
-    )
 
 
 # --- storage helpers -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from django.urls import reverse, reverse_lazy
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from portal.adapters import deployments
+from portal.adapters import deployments, traffic
 from portal.adapters import selectors as adapter_selectors
 from portal.adapters import services as adapter_services
 from portal.adapters.limits import limits_for, tenant_storage_used
@@ -171,10 +171,10 @@ def _adapter_or_404(request: HttpRequest, name: str):
 
 
 def _adapter_page(request: HttpRequest, adapter, *, upload_form=None, weights_form=None, status=200) -> HttpResponse:
-    deployment = adapter_services.deployment_get(adapter=adapter)
+    deployment = deployments.deployment_get(adapter=adapter)
     versions = adapter_selectors.adapter_version_list(adapter=adapter)
     ready = [v for v in versions if v.status == AdapterVersion.Status.READY]
-    served = {v.number for v in deployments.deployed_versions(adapter=adapter)}
+    served = {v.number for v in traffic.deployed_versions(adapter=adapter)}
     return _render(request, "console/adapter_detail.html", {
         "adapter": adapter,
         "deployment": deployment,

@@ -3,6 +3,8 @@ from pathlib import Path
 from django.apps import AppConfig
 from django.conf import settings
 
+from portal import celery  # noqa: F401 -- makes the Celery app current, so @shared_task binds to it
+
 
 class CoreConfig(AppConfig):
     name = "portal.core"
@@ -10,9 +12,6 @@ class CoreConfig(AppConfig):
     verbose_name = "Portal core"
 
     def ready(self) -> None:
-        # Makes the Celery app current in every Django process, so @shared_task binds to it.
-        from portal import celery  # noqa: F401
-
         # SQLite does not create its parent directory; uploads need their root; whitenoise
         # warns at start-up when STATIC_ROOT is missing (before the first collectstatic).
         database = settings.DATABASES["default"]

@@ -1,5 +1,7 @@
 from django.apps import AppConfig
 
+from portal.celery import app
+
 
 class FleetConfig(AppConfig):
     name = "portal.fleet"
@@ -9,8 +11,8 @@ class FleetConfig(AppConfig):
     def ready(self) -> None:
         # The periodic poll joins the beat schedule from here, so portal/celery.py and the
         # settings need no fleet-specific lines. `celery beat` runs Django's setup (the Celery
-        # Django fixup) before it reads the schedule, so this is in place by then.
-        from portal.celery import app
+        # Django fixup) before it reads the schedule, so this is in place by then. The tasks
+        # module imports models, which Django loads only after every apps.py: hence here.
         from portal.fleet.tasks import BEAT_SCHEDULE
 
         app.conf.beat_schedule = {**(app.conf.beat_schedule or {}), **BEAT_SCHEDULE}

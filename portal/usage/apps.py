@@ -1,6 +1,8 @@
 from celery.schedules import crontab
 from django.apps import AppConfig
 
+from portal.celery import app
+
 # Hourly, a few minutes past the hour: rebuild today's and yesterday's DailyUsage (yesterday
 # too, so requests that started before midnight and finished after are counted).
 BEAT_SCHEDULE = {
@@ -27,6 +29,4 @@ class UsageConfig(AppConfig):
     def ready(self) -> None:
         # Joins the beat schedule from here (as portal.fleet does), merging with what other
         # apps added; `celery beat` runs Django's setup before it reads the schedule.
-        from portal.celery import app
-
         app.conf.beat_schedule = {**(app.conf.beat_schedule or {}), **BEAT_SCHEDULE}

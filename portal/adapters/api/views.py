@@ -22,7 +22,7 @@ from rest_framework.exceptions import APIException
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.response import Response
 
-from portal.adapters import limits, selectors, services
+from portal.adapters import deployments, limits, selectors, services
 from portal.adapters.api import serializers as s
 from portal.adapters.api.permissions import TenantAccess
 from portal.keys.models import ApiKey
@@ -135,8 +135,8 @@ class AdapterViewSet(TenantScopedViewSet, mixins.ListModelMixin):
         if request.method == "PUT":
             data = s.DeploymentUpdateSerializer(data=request.data)
             data.is_valid(raise_exception=True)
-            services.deployment_update(adapter=adapter, actor=self.actor, **data.validated_data)
-        return Response(s.DeploymentSerializer(services.deployment_get(adapter=adapter)).data)
+            deployments.deployment_update(adapter=adapter, actor=self.actor, **data.validated_data)
+        return Response(s.DeploymentSerializer(deployments.deployment_get(adapter=adapter)).data)
 
 
 @extend_schema_view(

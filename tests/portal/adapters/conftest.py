@@ -34,7 +34,7 @@ def tiny_base(monkeypatch):
 @pytest.fixture(autouse=True)
 def staging_calls(monkeypatch):
     """Staging to workers recorded instead of sent (these tests have no workers). The real
-    module stays importable (the gateway imports it); only its two entry points are replaced."""
+    module stays importable (the Celery tasks and deployments import it); only its two entry points are replaced."""
     from portal.adapters import staging
 
     calls = {"stage": [], "unstage": []}

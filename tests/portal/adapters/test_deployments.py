@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from portal.adapters import deployments
+from portal.adapters import deployments, traffic
 from portal.adapters.limits import LimitExceeded
 from portal.adapters.models import AdapterVersion, AuditEvent
 from portal.adapters.services import adapter_version_retire
@@ -48,7 +48,7 @@ def adapter(versions):
 
 
 def picks(adapter, n=1000) -> Counter:
-    return Counter(deployments.deployment_pick_version(adapter=adapter, request_id=f"req-{i}").number
+    return Counter(traffic.deployment_pick_version(adapter=adapter, request_id=f"req-{i}").number
                    for i in range(n))
 
 
@@ -62,8 +62,8 @@ def test_canary_90_10_over_1000_requests_and_deterministic_per_request(adapter, 
     assert set(counts) == {3, 4} and 870 <= counts[3] <= 930, counts
     for _ in range(50):
         rid = str(uuid.uuid4())
-        first = deployments.deployment_pick_version(adapter=adapter, request_id=rid)
-        assert all(deployments.deployment_pick_version(adapter=adapter, request_id=rid) == first for _ in range(3))
+        first = traffic.deployment_pick_version(adapter=adapter, request_id=rid)
+        assert all(traffic.deployment_pick_version(adapter=adapter, request_id=rid) == first for _ in range(3))
 
 
 def test_rollback_is_immediate(adapter, user):
@@ -117,30 +117,30 @@ def test_a_retired_version_drops_out_of_the_split(adapter, versions, user):
 
 def test_nothing_ready_picks_nothing(tenant):
     version = make_version(tenant, name="empty", status=AdapterVersion.Status.VALIDATING, stored=False)
-    assert deployments.deployment_pick_version(adapter=version.adapter, request_id="r") is None
+    assert traffic.deployment_pick_version(adapter=version.adapter, request_id="r") is None
 
 
 def test_resolve_pins_with_at_vn_and_picks_otherwise(tenant, adapter, user):
     deployments.deployment_set_weights(adapter=adapter, weights={2: 1}, actor=user)
-    assert deployments.deployment_resolve(tenant=tenant, model="acme/bot", request_id="r").version.number == 2
-    resolved = deployments.deployment_resolve(tenant=tenant, model="acme/bot@v3", request_id="r")
+    assert traffic.deployment_resolve(tenant=tenant, model="acme/bot", request_id="r").version.number == 2
+    resolved = traffic.deployment_resolve(tenant=tenant, model="acme/bot@v3", request_id="r")
     assert resolved.version.number == 3 and resolved.public_id == "acme/bot@v3"
     for model in ("acme/bot@v5", "acme/nope", "other/bot", "bot", "acme/bot@v0"):
-        assert deployments.deployment_resolve(tenant=tenant, model=model, request_id="r") is None
+        assert traffic.deployment_resolve(tenant=tenant, model=model, request_id="r") is None
     other = tenant_create(slug="other", name="Other")
-    assert deployments.deployment_resolve(tenant=other, model="acme/bot", request_id="r") is None
+    assert traffic.deployment_resolve(tenant=other, model="acme/bot", request_id="r") is None
 
 
 def test_resolve_splits_like_pick_in_one_query(tenant, adapter, user, django_assert_num_queries):
     deployments.deployment_set_weights(adapter=adapter, weights={3: 70, 4: 30}, actor=user)
     for i in range(200):
         rid = f"req-{i}"
-        expected = deployments.deployment_pick_version(adapter=adapter, request_id=rid)
+        expected = traffic.deployment_pick_version(adapter=adapter, request_id=rid)
         with django_assert_num_queries(1):  # on every gateway request: versions + adapter + deployment
-            resolved = deployments.deployment_resolve(tenant=tenant, model="acme/bot", request_id=rid)
+            resolved = traffic.deployment_resolve(tenant=tenant, model="acme/bot", request_id=rid)
         assert resolved.version == expected and resolved.version.adapter.tenant == tenant
     deployments.deployment_set_weights(adapter=adapter, weights={}, actor=user)  # no weights: the newest
-    assert deployments.deployment_resolve(tenant=tenant, model="acme/bot", request_id="r").version.number == 4
+    assert traffic.deployment_resolve(tenant=tenant, model="acme/bot", request_id="r").version.number == 4
 
 
 # --- always-warm ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from portal.adapters import prewarm
+from portal.adapters import prewarm, tasks
 from portal.adapters.models import AdapterVersion
 from portal.adapters.services import adapter_version_retire
 from portal.fleet.models import InferenceWorker
@@ -115,7 +115,7 @@ def test_the_deployed_version_is_prewarmed_not_a_retired_one(tenant, history, fa
 def test_the_task_counts_and_the_beat_entry_is_hourly(history, fakes, monkeypatch):
     InferenceWorker.objects.create(url=fakes[0].url, healthy=True)
     monkeypatch.setattr(prewarm, "timezone", type("tz", (), {"now": staticmethod(lambda: NOW)}))
-    assert prewarm.prewarm_task.apply().get() == 2
+    assert tasks.prewarm_task.apply().get() == 2
 
     class App:
         class conf:  # noqa: N801 -- mimics celery's app.conf

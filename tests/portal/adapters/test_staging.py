@@ -14,9 +14,10 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import connection
 
-from portal.adapters import staging
+from portal.adapters import staging, tasks
 from portal.adapters.models import Adapter, AdapterVersion, Deployment
 from portal.adapters.services import adapter_version_retire
+from portal.fleet.client import version_load_body
 from portal.fleet.models import InferenceWorker
 from tests.portal.adapters.test_staging_fakes import FakeWorker, error
 
@@ -70,7 +71,7 @@ def make_version(tenant, *, name="bot", number=1, status=AdapterVersion.Status.R
 
 def test_load_body_names_the_portal_url_the_sha256_and_the_token(db, tenant):
     version = make_version(tenant)
-    body = staging.version_load_body(version=version)
+    body = version_load_body(version=version).to_json()
     assert body == {
         "lora_name": version.worker_name,
         "lora_url": f"http://portal.internal:8000/internal/adapters/{version.uid}/",
@@ -81,12 +82,12 @@ def test_load_body_names_the_portal_url_the_sha256_and_the_token(db, tenant):
 
 def test_load_body_of_a_staff_registered_version_is_its_path(db, tenant, settings):
     version = make_version(tenant, stored=False, source_path="/models/adapters/bot")
-    assert staging.version_load_body(version=version) == {"lora_name": version.worker_name,
+    assert version_load_body(version=version).to_json() == {"lora_name": version.worker_name,
                                                           "lora_path": "/models/adapters/bot"}
     settings.INFERENCE_ADMIN_TOKEN = None
-    del settings.PORTAL_INTERNAL_URL
-    body = staging.version_load_body(version=make_version(tenant, number=2))
-    assert "auth_token" not in body and body["lora_url"].startswith("http://127.0.0.1:8000/internal/adapters/")
+    settings.PORTAL_INTERNAL_URL = "http://portal.internal:8000/"
+    body = version_load_body(version=make_version(tenant, number=2)).to_json()
+    assert "auth_token" not in body and body["lora_url"].startswith("http://portal.internal:8000/internal/adapters/")
 
 
 # --- staging ------------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def test_stage_enqueue_loads_on_every_enabled_worker_after_commit(tenant, rows, 
         for w in fakes:
             [(path, body, auth)] = w.requests
             assert path == "/v1/load_lora_adapter" and auth == f"Bearer {TOKEN}"
-            assert body == staging.version_load_body(version=version)
+            assert body == version_load_body(version=version).to_json()
             entry = version.staging[w.url]
             assert entry["status"] == "staged" and entry["attempts"] == 1 and entry["error"] == ""
             assert entry["pinned"] is False and entry["at"]
@@ -199,7 +200,7 @@ def test_a_version_retired_while_loading_is_unloaded_again(tenant, rows, fakes, 
         return result
 
     monkeypatch.setattr(staging, "stage_on_worker", retire_meanwhile)
-    assert staging.version_stage_task.apply(args=(version.pk, fakes[0].url)).get() == "skipped"
+    assert tasks.version_stage_task.apply(args=(version.pk, fakes[0].url)).get() == "skipped"
     assert [p for p, _, _ in fakes[0].requests] == ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
     assert not fakes[0].loaded
 

@@ -18,6 +18,8 @@ from celery.schedules import maybe_schedule
 from django.core.management.base import BaseCommand
 from django.db import close_old_connections
 
+from portal.celery import app
+
 logger = logging.getLogger(__name__)
 
 
@@ -89,8 +91,6 @@ class Command(BaseCommand):
         parser.add_argument("--once", action="store_true", help="run every entry once now, then exit")
 
     def handle(self, *args, once: bool = False, **options):
-        from portal.celery import app
-
         # Celery's per-task "succeeded in" line every 10 s says nothing a failure log would not.
         logging.getLogger("celery.app.trace").setLevel(logging.WARNING)
         schedule = Schedule(app)
