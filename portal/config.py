@@ -170,102 +170,107 @@ class WebConfig:
         env = {key: value for key, value in environ.items() if value != ""}
         environment = _parse_environment(env)
         production = environment == "production"
-
-        debug = _parse_bool("DEBUG", env.get("DEBUG"), default=not production)
-        if production and debug:
-            raise ConfigError("DEBUG", "must be off in production (set DEBUG=false)")
-        secret_key = env.get("SECRET_KEY", DEVELOPMENT_SECRET_KEY)
-        if production:
-            _check_production_secret_key(secret_key)
-
-        allowed_hosts = _parse_list(env.get("ALLOWED_HOSTS"))
-        if not allowed_hosts:
-            if production:
-                raise ConfigError(
-                    "ALLOWED_HOSTS", "required in production (comma-separated host names)"
-                )
-            allowed_hosts = DEFAULT_DEV_ALLOWED_HOSTS
-        if production:
-            _check_production_allowed_hosts(allowed_hosts)
-
-        inference_admin_token = env.get("INFERENCE_ADMIN_TOKEN")
-        if production:
-            _check_production_admin_token(inference_admin_token)
-
-        portal_internal_url = env.get("PORTAL_INTERNAL_URL")
-        if portal_internal_url is None:
-            if production:
-                raise ConfigError(
-                    "PORTAL_INTERNAL_URL",
-                    "required in production: the URL the inference workers reach this portal at, "
-                    "e.g. http://web:8000",
-                )
-            portal_internal_url = DEFAULT_DEV_PORTAL_INTERNAL_URL
-
-        max_upload_bytes = _parse_positive_int(
-            "MAX_UPLOAD_BYTES", env.get("MAX_UPLOAD_BYTES"), default=DEFAULT_MAX_UPLOAD_BYTES
-        )
         return cls(
             environment=environment,
-            debug=debug,
-            secret_key=secret_key,
-            allowed_hosts=allowed_hosts,
-            csrf_trusted_origins=tuple(
-                _parse_http_url("CSRF_TRUSTED_ORIGINS", origin)
-                for origin in _parse_list(env.get("CSRF_TRUSTED_ORIGINS"))
-            ),
-            database_url=_parse_database_url(env.get("DATABASE_URL")),
-            database_pool_size=_parse_non_negative_int(
-                "DATABASE_POOL_SIZE", env.get("DATABASE_POOL_SIZE"), default=WEB_DATABASE_POOL_SIZE if _web_process else 0),
-            redis_url=_parse_redis_url(env.get("REDIS_URL")),
-            inference_urls=_parse_inference_urls(env.get("INFERENCE_URLS")),
-            inference_admin_token=inference_admin_token,
-            storage_root=_under_repo_root(env.get("STORAGE_ROOT", str(DEFAULT_STORAGE_ROOT))),
-            static_root=_under_repo_root(env.get("STATIC_ROOT", str(DEFAULT_STATIC_ROOT))),
-            log_level=_parse_log_level(env.get("LOG_LEVEL")),
-            max_upload_bytes=max_upload_bytes,
-            portal_internal_url=_parse_http_url("PORTAL_INTERNAL_URL", portal_internal_url),
-            secure_ssl_redirect=_parse_bool(
-                "SECURE_SSL_REDIRECT", env.get("SECURE_SSL_REDIRECT"), default=production
-            ),
-            hsts_seconds=_parse_non_negative_int(
-                "SECURE_HSTS_SECONDS",
-                env.get("SECURE_HSTS_SECONDS"),
-                default=DEFAULT_PRODUCTION_HSTS_SECONDS if production else 0,
-            ),
-            hsts_include_subdomains=_parse_bool(
-                "SECURE_HSTS_INCLUDE_SUBDOMAINS", env.get("SECURE_HSTS_INCLUDE_SUBDOMAINS"), default=production
-            ),
-            hsts_preload=_parse_bool("SECURE_HSTS_PRELOAD", env.get("SECURE_HSTS_PRELOAD"), default=production),
-            gateway_max_body_bytes=_parse_positive_int(
-                "GATEWAY_MAX_BODY_BYTES", env.get("GATEWAY_MAX_BODY_BYTES"), default=DEFAULT_GATEWAY_MAX_BODY_BYTES
-            ),
-            redis_key_prefix=_parse_key_prefix(env.get("REDIS_KEY_PREFIX")),
-            database_pool_timeout=_parse_positive_float(
-                "DATABASE_POOL_TIMEOUT", env.get("DATABASE_POOL_TIMEOUT"), default=DEFAULT_DATABASE_POOL_TIMEOUT
-            ),
-            quota_concurrency_lease_seconds=_parse_positive_int(
-                "QUOTA_CONCURRENCY_LEASE_SECONDS", env.get("QUOTA_CONCURRENCY_LEASE_SECONDS"),
-                default=DEFAULT_QUOTA_CONCURRENCY_LEASE_SECONDS,
-            ),
-            fleet_max_load=_parse_positive_int("FLEET_MAX_LOAD", env.get("FLEET_MAX_LOAD"), default=DEFAULT_FLEET_MAX_LOAD),
-            adapter_max_lora_rank=_parse_positive_int(
-                "ADAPTER_MAX_LORA_RANK", env.get("ADAPTER_MAX_LORA_RANK"), default=DEFAULT_ADAPTER_MAX_LORA_RANK
-            ),
-            adapter_max_extracted_bytes=_parse_positive_int(
-                "ADAPTER_MAX_EXTRACTED_BYTES", env.get("ADAPTER_MAX_EXTRACTED_BYTES"), default=2 * max_upload_bytes
-            ),
-            adapter_max_archive_files=_parse_positive_int(
-                "ADAPTER_MAX_ARCHIVE_FILES", env.get("ADAPTER_MAX_ARCHIVE_FILES"), default=DEFAULT_ADAPTER_MAX_ARCHIVE_FILES
-            ),
-            adapter_stage_retry_seconds=_parse_positive_float(
-                "ADAPTER_STAGE_RETRY_SECONDS", env.get("ADAPTER_STAGE_RETRY_SECONDS"),
-                default=DEFAULT_ADAPTER_STAGE_RETRY_SECONDS,
-            ),
-            adapter_prewarm_top_n=_parse_non_negative_int(
-                "ADAPTER_PREWARM_TOP_N", env.get("ADAPTER_PREWARM_TOP_N"), default=DEFAULT_ADAPTER_PREWARM_TOP_N
-            ),
+            **_identity_settings(env, production),
+            **_service_settings(env, production),
+            **_https_settings(env, production),
+            **_limit_settings(env),
         )
+
+
+def _identity_settings(env: Mapping[str, str], production: bool) -> dict[str, Any]:
+    """Who this portal is and what it trusts: debug, secret, hosts, the fleet token."""
+    debug = _parse_bool("DEBUG", env.get("DEBUG"), default=not production)
+    if production and debug:
+        raise ConfigError("DEBUG", "must be off in production (set DEBUG=false)")
+    secret_key = env.get("SECRET_KEY", DEVELOPMENT_SECRET_KEY)
+    if production:
+        _check_production_secret_key(secret_key)
+    allowed_hosts = _parse_list(env.get("ALLOWED_HOSTS"))
+    if not allowed_hosts:
+        if production:
+            raise ConfigError("ALLOWED_HOSTS", "required in production (comma-separated host names)")
+        allowed_hosts = DEFAULT_DEV_ALLOWED_HOSTS
+    if production:
+        _check_production_allowed_hosts(allowed_hosts)
+    inference_admin_token = env.get("INFERENCE_ADMIN_TOKEN")
+    if production:
+        _check_production_admin_token(inference_admin_token)
+    return dict(
+        debug=debug,
+        secret_key=secret_key,
+        allowed_hosts=allowed_hosts,
+        csrf_trusted_origins=tuple(
+            _parse_http_url("CSRF_TRUSTED_ORIGINS", origin) for origin in _parse_list(env.get("CSRF_TRUSTED_ORIGINS"))
+        ),
+        inference_admin_token=inference_admin_token,
+        log_level=_parse_log_level(env.get("LOG_LEVEL")),
+    )
+
+
+def _service_settings(env: Mapping[str, str], production: bool) -> dict[str, Any]:
+    """Where the other processes and stores are: database, Redis, workers, storage."""
+    portal_internal_url = env.get("PORTAL_INTERNAL_URL")
+    if portal_internal_url is None:
+        if production:
+            raise ConfigError(
+                "PORTAL_INTERNAL_URL",
+                "required in production: the URL the inference workers reach this portal at, e.g. http://web:8000",
+            )
+        portal_internal_url = DEFAULT_DEV_PORTAL_INTERNAL_URL
+    return dict(
+        database_url=_parse_database_url(env.get("DATABASE_URL")),
+        database_pool_size=_parse_non_negative_int(
+            "DATABASE_POOL_SIZE", env.get("DATABASE_POOL_SIZE"), default=WEB_DATABASE_POOL_SIZE if _web_process else 0),
+        database_pool_timeout=_parse_positive_float(
+            "DATABASE_POOL_TIMEOUT", env.get("DATABASE_POOL_TIMEOUT"), default=DEFAULT_DATABASE_POOL_TIMEOUT),
+        redis_url=_parse_redis_url(env.get("REDIS_URL")),
+        redis_key_prefix=_parse_key_prefix(env.get("REDIS_KEY_PREFIX")),
+        inference_urls=_parse_inference_urls(env.get("INFERENCE_URLS")),
+        portal_internal_url=_parse_http_url("PORTAL_INTERNAL_URL", portal_internal_url),
+        storage_root=_under_repo_root(env.get("STORAGE_ROOT", str(DEFAULT_STORAGE_ROOT))),
+        static_root=_under_repo_root(env.get("STATIC_ROOT", str(DEFAULT_STATIC_ROOT))),
+    )
+
+
+def _https_settings(env: Mapping[str, str], production: bool) -> dict[str, Any]:
+    """Redirects and HSTS: on in production (behind the TLS proxy), off in development."""
+    return dict(
+        secure_ssl_redirect=_parse_bool("SECURE_SSL_REDIRECT", env.get("SECURE_SSL_REDIRECT"), default=production),
+        hsts_seconds=_parse_non_negative_int(
+            "SECURE_HSTS_SECONDS", env.get("SECURE_HSTS_SECONDS"),
+            default=DEFAULT_PRODUCTION_HSTS_SECONDS if production else 0),
+        hsts_include_subdomains=_parse_bool(
+            "SECURE_HSTS_INCLUDE_SUBDOMAINS", env.get("SECURE_HSTS_INCLUDE_SUBDOMAINS"), default=production),
+        hsts_preload=_parse_bool("SECURE_HSTS_PRELOAD", env.get("SECURE_HSTS_PRELOAD"), default=production),
+    )
+
+
+def _limit_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """Sizes, counts and timings of uploads, the gateway, quotas, staging and routing."""
+    max_upload_bytes = _parse_positive_int("MAX_UPLOAD_BYTES", env.get("MAX_UPLOAD_BYTES"),
+                                           default=DEFAULT_MAX_UPLOAD_BYTES)
+    return dict(
+        max_upload_bytes=max_upload_bytes,
+        gateway_max_body_bytes=_parse_positive_int(
+            "GATEWAY_MAX_BODY_BYTES", env.get("GATEWAY_MAX_BODY_BYTES"), default=DEFAULT_GATEWAY_MAX_BODY_BYTES),
+        quota_concurrency_lease_seconds=_parse_positive_int(
+            "QUOTA_CONCURRENCY_LEASE_SECONDS", env.get("QUOTA_CONCURRENCY_LEASE_SECONDS"),
+            default=DEFAULT_QUOTA_CONCURRENCY_LEASE_SECONDS),
+        fleet_max_load=_parse_positive_int("FLEET_MAX_LOAD", env.get("FLEET_MAX_LOAD"), default=DEFAULT_FLEET_MAX_LOAD),
+        adapter_max_lora_rank=_parse_positive_int(
+            "ADAPTER_MAX_LORA_RANK", env.get("ADAPTER_MAX_LORA_RANK"), default=DEFAULT_ADAPTER_MAX_LORA_RANK),
+        adapter_max_extracted_bytes=_parse_positive_int(
+            "ADAPTER_MAX_EXTRACTED_BYTES", env.get("ADAPTER_MAX_EXTRACTED_BYTES"), default=2 * max_upload_bytes),
+        adapter_max_archive_files=_parse_positive_int(
+            "ADAPTER_MAX_ARCHIVE_FILES", env.get("ADAPTER_MAX_ARCHIVE_FILES"), default=DEFAULT_ADAPTER_MAX_ARCHIVE_FILES),
+        adapter_stage_retry_seconds=_parse_positive_float(
+            "ADAPTER_STAGE_RETRY_SECONDS", env.get("ADAPTER_STAGE_RETRY_SECONDS"),
+            default=DEFAULT_ADAPTER_STAGE_RETRY_SECONDS),
+        adapter_prewarm_top_n=_parse_non_negative_int(
+            "ADAPTER_PREWARM_TOP_N", env.get("ADAPTER_PREWARM_TOP_N"), default=DEFAULT_ADAPTER_PREWARM_TOP_N),
+    )
 
 
 def load_config_or_exit(environ: Mapping[str, str]) -> WebConfig:
