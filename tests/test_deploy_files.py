@@ -50,12 +50,12 @@ def requirement_lines(name: str) -> list[str]:
 
 def test_compose_has_every_process_with_healthchecks(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {"postgres", "redis", "web", "worker", "beat", "inference"}
+    assert set(services) == {"postgres", "redis", "web", "worker", "beat", "inference-1", "inference-2"}
     assert services["postgres"]["image"] == "postgres:16"
     assert services["redis"]["image"] == "redis:7"
     for name, service in services.items():
         assert "healthcheck" in service, name
-    for name in ("web", "worker", "beat", "inference"):
+    for name in ("web", "worker", "beat", "inference-1", "inference-2"):
         assert services[name]["env_file"] == ".env"
         dockerfile = DEPLOY.parent / services[name]["build"]["dockerfile"]
         assert dockerfile.is_file(), dockerfile
@@ -69,7 +69,6 @@ def test_web_migrates_before_serving_and_workers_wait_for_it(compose: dict) -> N
     assert services["beat"]["command"][:4] == ["celery", "-A", "portal.celery", "beat"]
     for name in ("worker", "beat"):
         assert services[name]["depends_on"]["web"]["condition"] == "service_healthy"
-    assert services["web"]["environment"]["INFERENCE_URLS"] == "http://inference:8001"
 
 
 def example_values() -> dict[str, str]:
@@ -145,7 +144,10 @@ def test_compose_wires_the_fleet_to_the_portal_over_the_internal_network(compose
     services = compose["services"]
     for name in ("web", "worker", "beat"):  # the web process and Celery both hand out adapter URLs
         assert services[name]["environment"]["PORTAL_INTERNAL_URL"] == "http://web:8000"
-    assert services["inference"]["environment"]["INFERENCE_PORTAL_ORIGINS"] == "http://web:8000"
+    for name in ("inference-1", "inference-2"):  # two workers, each its own host and URL
+        assert services[name]["environment"]["INFERENCE_PORTAL_ORIGINS"] == "http://web:8000"
+    assert services["web"]["environment"]["INFERENCE_URLS"].split(",") == [
+        "http://inference-1:8001", "http://inference-2:8001"]
     example = example_values()
     assert example["INFERENCE_ENV"] == "production"
     assert "web" in example["ALLOWED_HOSTS"].split(",")  # the Host of the workers' downloads
