@@ -1,0 +1,96 @@
+"""bench/fleet_sim.py at small sizes: the facts that hold on any machine. The real routing
+function and the real adapter cache run underneath; nothing here times anything."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "fleet_sim.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("fleet_sim", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+fleet_sim = load_bench()
+
+# Small enough for a couple of seconds on one core; utilisation 0.8 puts the routing bound
+# (max_load 64) at 1.25x the mean load, so the bound alone must keep imbalance <= 1.25.
+CONFIG = fleet_sim.SimConfig(requests=6_000, adapters=600, workers=8, utilisation=0.8, seed=3)
+
+
+@pytest.fixture(scope="module")
+def results():
+    trace = fleet_sim.make_trace(CONFIG, CONFIG.adapters)
+    return {(scenario, policy): fleet_sim.simulate(CONFIG, trace, policy=policy, scenario=scenario)
+            for scenario in fleet_sim.SCENARIOS for policy in fleet_sim.POLICIES}
+
+
+@pytest.mark.parametrize("scenario", fleet_sim.SCENARIOS)
+def test_affinity_finds_adapters_in_device_slots_more_often_than_random_or_round_robin(results, scenario):
+    for affinity in ("affinity", "affinity/live"):
+        device = results[(scenario, affinity)].device_pct
+        assert device > results[(scenario, "random")].device_pct
+        assert device > results[(scenario, "round-robin")].device_pct
+        assert results[(scenario, affinity)].loads < results[(scenario, "random")].loads
+
+
+@pytest.mark.parametrize("scenario", fleet_sim.SCENARIOS)
+def test_with_current_loads_the_bound_keeps_every_worker_within_1_25_of_the_mean(results, scenario):
+    assert results[(scenario, "affinity/live")].imbalance <= 1.25
+
+
+@pytest.mark.parametrize("scenario", fleet_sim.SCENARIOS)
+def test_every_request_is_routed_and_counted_once_by_the_real_cache(results, scenario):
+    for policy in fleet_sim.POLICIES:
+        r = results[(scenario, policy)]
+        assert r.requests == r.routed == CONFIG.requests
+        assert r.device_hits + r.host_hits + r.loads == CONFIG.requests
+        assert r.loads == r.cache_loads  # the AdapterCache loaded exactly what was counted as a load
+
+
+def test_workers_leaving_and_joining_get_and_lose_traffic(results):
+    churn = results[("churn", "affinity")].per_worker
+    steady = results[("steady", "affinity")].per_worker
+    assert len(steady) == CONFIG.workers
+    # Two leave, one new joins, one comes back as a fresh process: every one of them served requests.
+    assert len(churn) == CONFIG.workers + 2
+    assert all(served > 0 for served in churn.values())
+    assert results[("churn", "affinity")].retries > 0  # stale rows sent some to a gone worker, which moved on
+
+
+def test_a_hot_set_that_fits_the_slots_is_mostly_served_from_them():
+    config = fleet_sim.SimConfig(requests=6_000, adapters=16, workers=8, seed=3)
+    trace = fleet_sim.make_trace(config, config.adapters)
+    assert trace.hot_set <= config.workers * config.max_loras
+
+    result = fleet_sim.simulate(config, trace, policy="affinity", scenario="steady")
+    randomly = fleet_sim.simulate(config, trace, policy="random", scenario="steady")
+
+    assert result.device_pct > 80.0
+    assert result.device_pct > 2 * randomly.device_pct
+
+
+def test_the_report_prints_a_row_per_policy_and_scenario_and_the_goals(capsys):
+    config = fleet_sim.parse_args(["--quick", "--requests", "2000", "--adapters", "200", "--workers", "4"])
+    results = fleet_sim.run(config)
+    fleet_sim.print_report(config, results, 0.0)
+
+    out = capsys.readouterr().out
+    assert len(results) == 2 * len(fleet_sim.SCENARIOS) * len(fleet_sim.POLICIES)  # two populations
+    for policy in fleet_sim.POLICIES:
+        assert out.count(f" {policy} ") >= len(fleet_sim.SCENARIOS)
+    assert "device hit / random's" in out and "<= 1.25" in out
+
+
+def test_bad_sizes_are_refused_with_a_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fleet_sim.parse_args(["--max-loras", "8", "--max-cpu-loras", "4"])
+    assert exit_info.value.code == 2
+    assert "--max-cpu-loras" in capsys.readouterr().err
