@@ -58,6 +58,9 @@ ADAPTER_TOO_LARGE = "adapter_too_large"
 TOO_MANY_PINNED = "too_many_pinned"
 INVALID_ADMIN_TOKEN = "invalid_admin_token"
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
+# 503s a worker gives before a request starts: another worker should take it (the gateway moves on).
+SERVER_OVERLOADED = "server_overloaded"  # its waiting queue is full
+WORKER_DRAINING = "worker_draining"  # it received SIGTERM: finishing what it has, admitting nothing new
 # Load refusals that say nothing about the adapter: the worker could not reach the portal, or may
 # not fetch from it. Another worker (or a fixed configuration) may succeed; the tenant is not at fault.
 WORKER_SIDE_LOAD_ERRORS = frozenset({ADAPTER_FETCH_FAILED, ADAPTER_SOURCE_FORBIDDEN})

@@ -117,11 +117,14 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: 200 once the model is loaded and requests can be served."""
+    """Readiness: 200 once the model is loaded and requests can be served; 503 again while
+    draining after SIGTERM (drain.py), so no one sends more."""
     serving = _serving(request)
     engine = serving.engine
     if engine.error is not None:
         return JSONResponse({"status": "dead", "error": str(engine.error)}, status_code=503)
+    if serving.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     if not engine.ready.is_set():
         return JSONResponse({"status": "loading"}, status_code=503)
     return JSONResponse({"status": "ready", "model": serving.served_names[0]})

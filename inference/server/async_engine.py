@@ -161,6 +161,21 @@ class AsyncEngine:
                 self._abandoned[request_id] = self._streams.pop(request_id)
         stream.unfinished.clear()
 
+    def abort_all(self, error: BaseException) -> int:
+        """End every open stream with `error` (the drain's deadline): its consumer reads what
+        already arrived, then get() raises `error`; the engine frees the KV on its next turn.
+        Returns how many streams were ended. Unlike abort(), `unfinished` is left as it is, so
+        the consumer keeps reading until it meets the error instead of ending the stream as if
+        it were complete."""
+        streams = set(self._streams.values())
+        for stream in streams:
+            running = [i for i in stream.request_ids if self._streams.get(i) is stream]
+            self._send(("abort", running))
+            for request_id in running:
+                self._abandoned[request_id] = self._streams.pop(request_id)
+            stream.queue.put_nowait(error)
+        return len(streams)
+
     async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """Yield the stream's outputs until every one of its requests finished; aborts the rest
         if the consumer stops early (disconnect, error)."""

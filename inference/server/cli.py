@@ -4,7 +4,8 @@ Flags override INFERENCE_* variables (EngineConfig.from_env, AccessConfig.from_e
 or value prints one line and exits 2 before anything loads (so does INFERENCE_ENV=production
 without an admin token of at least 32 characters); the HTTP server binds first and the model loads
 behind it (progress on stderr), so /health answers at once and /ready turns 200 when loaded.
-If the model fails to load the process exits 1.
+If the model fails to load the process exits 1. SIGTERM drains (drain.py): /ready turns 503, new
+requests are refused, in-flight ones finish within --shutdown-grace-seconds, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from inference.config import AccessConfig, ConfigError, EngineConfig
 
 DEFAULT_PORT = 8001
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 30.0
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +47,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--portal-origins", metavar="ORIGINS",
                    help="comma-separated origins (scheme://host[:port]) a load's lora_url may point at "
                         "(env INFERENCE_PORTAL_ORIGINS); unset: nothing is fetched by URL")
+    p.add_argument("--shutdown-grace-seconds", metavar="SECONDS",
+                   help="on SIGTERM: stop admitting, let in-flight requests finish for up to this long, "
+                        "then cut the rest and exit (env INFERENCE_SHUTDOWN_GRACE_SECONDS; default 30)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -93,18 +98,37 @@ class QuietProbes(logging.Filter):
         return True
 
 
+def shutdown_grace(args: argparse.Namespace) -> float:
+    """--shutdown-grace-seconds, else INFERENCE_SHUTDOWN_GRACE_SECONDS, else 30: seconds >= 0
+    (0: whatever runs is cut at once)."""
+    variable, value = "--shutdown-grace-seconds", args.shutdown_grace_seconds
+    if value is None:
+        variable, value = "INFERENCE_SHUTDOWN_GRACE_SECONDS", os.environ.get("INFERENCE_SHUTDOWN_GRACE_SECONDS", "")
+        if not value.strip():
+            return DEFAULT_SHUTDOWN_GRACE_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(variable, f"expected a number of seconds, got {value!r}") from None
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(variable, f"must be a finite number >= 0, got {value!r}")
+    return seconds
+
+
 def serve(args: argparse.Namespace) -> int:
     # Imported only to serve: uvicorn, FastAPI and the app's modules cost ~1.5 s (measured with
     # python -X importtime on a 2-core box), which `generate` and a bad flag (exit 2) don't pay.
     import uvicorn
 
     from inference.server.app import ServerSettings, create_app
+    from inference.server.drain import DrainingServer
     from inference.server.fetch import FetchSettings
 
     if not 0 < args.port < 65536:
         raise ConfigError("--port", f"must be in 1..65535, got {args.port}")
     if args.max_waiting_requests < 0:
         raise ConfigError("--max-waiting-requests", f"must be >= 0, got {args.max_waiting_requests}")
+    grace = shutdown_grace(args)
     access = AccessConfig.from_env(admin_token=args.admin_token, portal_origins=args.portal_origins)
     try:
         fetch = FetchSettings.from_env()
@@ -136,7 +160,10 @@ def serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_engine_dead=on_engine_dead)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    # SIGTERM drains (drain.py) for up to `grace`; the 5 s is uvicorn's wait for connections
+    # after that (and after Ctrl-C) before it cancels them.
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5),
+                            serving=app.state.serving, grace_seconds=grace)
     server.run()
     return 1 if failed or not server.started else 0

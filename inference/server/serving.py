@@ -23,6 +23,7 @@ from inference.server import sse
 from inference.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from inference.server.errors import APIError, from_value_error, model_not_found
 from inference.server.protocol import _Sampling
+from protocol.worker_api import SERVER_OVERLOADED, WORKER_DRAINING
 
 RETRY_AFTER_SECONDS = 1
 
@@ -73,6 +74,8 @@ class Serving:
         self.engine = engine
         self.served_names = served_names
         self.capacity = capacity
+        # Set on SIGTERM (drain.py): new requests are refused, admitted ones run to their end.
+        self.draining = False
 
     # -- before the engine --------------------------------------------------------
     def check_ready(self) -> None:
@@ -92,14 +95,23 @@ class Serving:
 
     def admit(self, count: int) -> None:
         """Backpressure: refuse when the worker already holds its bound of requests. An idle
-        worker takes any one request, so a large n is never refused forever."""
+        worker takes any one request, so a large n is never refused forever. A draining worker
+        takes nothing: its 503 comes before any byte, so the gateway tries another worker."""
+        if self.draining:
+            raise draining_error("the worker is shutting down; retry on another worker")
         in_flight = self.engine.in_flight
         if in_flight and in_flight + count > self.capacity():
             raise APIError(
                 503, f"the server is overloaded ({in_flight} requests in flight); retry later",
-                type="service_unavailable", code="server_overloaded",
+                type="service_unavailable", code=SERVER_OVERLOADED,
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             )
+
+    def cut_off(self) -> int:
+        """The drain's deadline: end every request still running with a worker_draining error
+        (an SSE error event, or a 503 when nothing was sent yet); the engine frees their KV.
+        Returns how many client requests were cut."""
+        return self.engine.abort_all(draining_error("the worker shut down before this request finished"))
 
     async def submit(self, requests: list[dict], *, prompt_param: str) -> RequestStream:
         self.admit(len(requests))
@@ -167,6 +179,11 @@ class Serving:
         except BaseException:
             self.engine.abort(stream)
             raise
+
+
+def draining_error(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable", code=WORKER_DRAINING,
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def usage(choices: dict[str, Choice]) -> dict:
