@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -38,7 +38,8 @@ class WorkerTarget:
     id: int | None  # None: a settings URL with no polled row yet
 
 
-def route_candidates(*, lora_name: str | None, max_load: int | None = None) -> list[WorkerTarget]:
+def route_candidates(*, lora_name: str | None, max_load: int | None = None,
+                     inflight: Mapping[str, int] | None = None) -> list[WorkerTarget]:
     """Workers to try for a request for `lora_name` (the worker-side adapter name, or None for
     the base model), best first. When no row is healthy (fresh start, nothing polled yet, or
     every poll failing) it falls back to settings.INFERENCE_URLS, minus workers disabled in
@@ -47,7 +48,7 @@ def route_candidates(*, lora_name: str | None, max_load: int | None = None) -> l
         max_load = settings.FLEET_MAX_LOAD
     workers = list(InferenceWorker.objects.filter(enabled=True, healthy=True))
     if workers:
-        return rank_workers(workers, lora_name=lora_name, max_load=max_load)
+        return rank_workers(workers, lora_name=lora_name, max_load=max_load, inflight=inflight or {})
     disabled = set(InferenceWorker.objects.filter(enabled=False).values_list("url", flat=True))
     urls = [url for url in (normalize_worker_url(u) for u in settings.INFERENCE_URLS) if url not in disabled]
     key = lora_name or BASE_KEY
@@ -55,8 +56,15 @@ def route_candidates(*, lora_name: str | None, max_load: int | None = None) -> l
             for url in sorted(urls, key=lambda url: rendezvous_score(key, url), reverse=True)]
 
 
-def rank_workers(workers: Iterable[InferenceWorker], *, lora_name: str | None, max_load: int) -> list[WorkerTarget]:
-    """The routing order over these rows (already filtered to healthy and enabled). Pure."""
+def rank_workers(workers: Iterable[InferenceWorker], *, lora_name: str | None, max_load: int,
+                 inflight: Mapping[str, int] | None = None) -> list[WorkerTarget]:
+    """The routing order over these rows (already filtered to healthy and enabled). Pure.
+
+    inflight: {url: requests the caller itself has in flight there} (portal.fleet.inflight); a
+    worker's load is the larger of that and its polled load, which may be seconds old."""
+    workers = list(workers)
+    inflight = inflight or {}
+    load = {w.url: max(w.load, inflight.get(w.url, 0)) for w in workers}
     key = lora_name or BASE_KEY
     scored = [(rendezvous_score(key, w.url), w) for w in workers]
     by_hash = [w for _, w in sorted(scored, key=lambda pair: pair[0], reverse=True)]
@@ -65,10 +73,11 @@ def rank_workers(workers: Iterable[InferenceWorker], *, lora_name: str | None, m
     def resident(w: InferenceWorker) -> bool:
         return lora_name is not None and (w.resident_adapters or {}).get(lora_name) in RESIDENT_TIERS
 
-    affine = sorted((w for w in by_hash if resident(w) and w.load < max_load), key=lambda w: (w.load, rank[w.url]))
+    affine = sorted((w for w in by_hash if resident(w) and load[w.url] < max_load),
+                    key=lambda w: (load[w.url], rank[w.url]))
     chosen = {w.url for w in affine}
-    spill = [w for w in by_hash if w.url not in chosen and w.load < max_load]
-    overloaded = [w for w in by_hash if w.url not in chosen and w.load >= max_load]
+    spill = [w for w in by_hash if w.url not in chosen and load[w.url] < max_load]
+    overloaded = [w for w in by_hash if w.url not in chosen and load[w.url] >= max_load]
     return [WorkerTarget(url=w.url, name=w.name or w.url.split("://", 1)[1], id=w.pk)
             for w in (*affine, *spill, *overloaded)]
 

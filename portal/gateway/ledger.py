@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from portal.adapters.models import AdapterVersion
 from portal.fleet.client import CompletionStream
+from portal.fleet.inflight import inflight_finished, inflight_started
 from portal.gateway.auth import Caller
 from portal.quotas.services import Admission, quota_settle
 from portal.usage.spool import usage_record_save
@@ -58,6 +59,12 @@ class Ledger:
     status_code: int = 200
     client_disconnected: bool = False
     _closed: bool = False
+    _counted: bool = False  # in portal.fleet.inflight for worker_url until the ledger closes
+
+    def count_in_flight(self) -> None:
+        """The worker at worker_url accepted the request: it counts in routing's load until close."""
+        inflight_started(self.worker_url)
+        self._counted = True
 
     async def close(self) -> None:
         """Close the upstream and write the ledger, exactly once, surviving cancellation."""
@@ -71,6 +78,8 @@ class Ledger:
         if self._closed:
             return
         self._closed = True
+        if self._counted:
+            inflight_finished(self.worker_url)
         if self.upstream is not None:
             try:
                 await self.upstream.aclose()  # mid-stream: the worker sees the disconnect and aborts

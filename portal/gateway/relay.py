@@ -32,6 +32,7 @@ from portal.fleet.client import (
     async_worker_client,
     version_load_body,
 )
+from portal.fleet.inflight import inflight_snapshot
 from portal.fleet.selectors import route_candidates
 from portal.gateway import validation
 from portal.gateway.auth import Caller
@@ -100,7 +101,7 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
     """The first worker's accepted completion (a CompletionStream, body unread), trying the
     candidates in order; 503 no_worker_available when none takes it."""
     lora_name = target.version.worker_name if target.version is not None else None
-    candidates = await db_sync_to_async(route_candidates)(lora_name=lora_name)
+    candidates = await db_sync_to_async(route_candidates)(lora_name=lora_name, inflight=inflight_snapshot())
     if not candidates:
         raise no_worker("no inference worker is configured")
     content = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
@@ -114,6 +115,7 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
             reply, stream = await client.open_completion(url, path=WORKER_PATHS[endpoint], content=content)
             if stream is not None:
                 ledger.worker_url = url
+                ledger.count_in_flight()
                 return stream
             if reply.status is None:
                 failures.append(f"{url}: {type(reply.exception).__name__}")

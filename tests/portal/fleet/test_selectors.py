@@ -200,3 +200,25 @@ def test_base_model_name_prefers_healthy_workers_then_the_last_known():
     InferenceWorker.objects.create(url="http://w4:8001", healthy=True, enabled=False, base_model="other")
     InferenceWorker.objects.create(url="http://w5:8001", healthy=True, enabled=False, base_model="other")
     assert base_model_name() == "smollm2"
+
+
+def test_the_gateways_own_in_flight_requests_count_between_polls():
+    """A poll up to 10 s old said both holders were idle; this process has since sent 5 requests
+    to one of them and 12 to a third worker: the other holder comes first, and the third is over
+    the bound (bench/fleet_sim.py: stale loads piled a hot adapter onto one worker)."""
+    fleet = [worker(0, adapters={"lora-a": "device"}), worker(1, adapters={"lora-a": "device"}), worker(2)]
+    by_hash = urls(rank_workers(fleet, lora_name="lora-a", max_load=10))
+    first, second = by_hash[0], by_hash[1]
+
+    ranked = urls(rank_workers(fleet, lora_name="lora-a", max_load=10,
+                               inflight={first: 5, "http://w2:8001": 12}))
+
+    assert ranked == [second, first, "http://w2:8001"]
+
+
+def test_a_polled_load_above_the_own_count_still_wins():
+    fleet = [worker(0, running=9, adapters={"lora-a": "device"}), worker(1, adapters={"lora-a": "device"})]
+
+    ranked = urls(rank_workers(fleet, lora_name="lora-a", max_load=10, inflight={"http://w0:8001": 1}))
+
+    assert ranked == ["http://w1:8001", "http://w0:8001"]  # load 9 (polled) vs 0, not 1 vs 0

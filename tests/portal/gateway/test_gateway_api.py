@@ -114,3 +114,29 @@ def test_every_response_has_a_request_id(acme, live):
         assert "error" in response.json() or response.status_code == 200
     bad = httpx.get(f"{live.url}/v1/models", timeout=30)
     assert bad.status_code == 401 and bad.headers["x-request-id"].startswith("req_")
+
+
+def test_routing_counts_a_request_in_flight_until_its_ledger_closes(live, worker):
+    import threading
+
+    from portal.fleet.inflight import inflight_snapshot
+
+    caller = make_caller("acme")
+    seen = []
+    url = worker.url.rstrip("/")
+
+    def stream():
+        with httpx.stream("POST", f"{live.url}/v1/chat/completions", timeout=120,
+                          headers={"authorization": f"Bearer {caller.key}"},
+                          json={"model": BASE, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 24,
+                                "ignore_eos": True, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:") and not seen:
+                    seen.append(inflight_snapshot().get(url, 0))
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    thread.join(120)
+
+    assert seen == [1]  # counted while its tokens flowed
+    assert inflight_snapshot().get(url, 0) == 0  # and no more once it ended

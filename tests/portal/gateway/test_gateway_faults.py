@@ -34,9 +34,12 @@ def test_client_disconnect_mid_stream_aborts_the_worker_request(acme, worker, li
     assert 0 < row.completion_tokens < 1000
     wait_until(lambda: worker.metric("vllm:num_requests_running") == 0
                and worker.metric("vllm:num_requests_waiting") == 0, timeout=10)
+    from portal.fleet.inflight import inflight_snapshot
     from portal.usage.models import UsageRecord
 
     assert UsageRecord.objects.filter(request_id=request_id).count() == 1
+    # The gateway's own in-flight count (routing between polls) ends with the ledger: no leak.
+    wait_until(lambda: inflight_snapshot().get(worker.url.rstrip("/"), 0) == 0, timeout=10)
 
 
 @pytest.fixture
