@@ -19,8 +19,6 @@ whatever fails.
 
 from __future__ import annotations
 
-import logging
-
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404
 
@@ -29,8 +27,6 @@ from portal.gateway import services
 from portal.gateway.errors import GatewayError, unexpected
 from portal.gateway.validation import max_body_bytes
 from portal.gateway.views import SCOPE_API_KEY, SCOPE_REQUEST_ID, error_response
-
-log = logging.getLogger(__name__)
 
 PREFIX = "/v1/"
 

@@ -5,7 +5,6 @@ with an error (an SSE error event, or a 503 when nothing was sent yet) and the p
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from tests.inference.server.server_process import ROOT, ServerProcess, start_server
+from tests.sse_stream import SseStream
 
 SERVED = "smollm2"
 GRACE = 120  # long enough for a loaded 2-core box; the worker must exit well before it
@@ -28,45 +28,10 @@ def start(smollm2_path, tmp_path, grace: str) -> ServerProcess:
                         tmp_path / "worker.log")
 
 
-class Stream(threading.Thread):
-    """One streaming completion read to its end on a thread: every SSE event, and whether
-    [DONE] came."""
-
-    def __init__(self, url: str, max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.body = {"model": SERVED, "prompt": "Once upon a time", "max_tokens": max_tokens,
-                     "ignore_eos": True, "stream": True}
-        self.events: list[dict] = []
-        self.done = False
-        self.started = threading.Event()
-        self.failure: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.body, timeout=120) as response:
-                assert response.status_code == 200, response.read()
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        self.events.append(json.loads(line[6:]))
-                        self.started.set()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.failure = exc
-            self.started.set()
-
-    @property
-    def errors(self) -> list[dict]:
-        return [e["error"] for e in self.events if "error" in e]
-
-    @property
-    def finish_reasons(self) -> list[str]:
-        return [c["finish_reason"] for e in self.events for c in e.get("choices", []) if c.get("finish_reason")]
-
-
-def start_streams(url: str, count: int, max_tokens: int) -> list[Stream]:
-    streams = [Stream(url, max_tokens) for _ in range(count)]
+def start_streams(url: str, count: int, max_tokens: int) -> list[SseStream]:
+    body = {"model": SERVED, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    streams = [SseStream(f"{url}/v1/completions", body) for _ in range(count)]
     for s in streams:
         s.start()
     for s in streams:

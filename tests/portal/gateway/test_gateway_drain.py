@@ -4,11 +4,8 @@ and served by the other worker, and no client sees an error."""
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 
-import httpx
 import pytest
 
 from portal.fleet.selectors import rendezvous_score, route_candidates
@@ -22,6 +19,7 @@ from tests.portal.gateway.conftest import (
     usage_rows,
     wait_until,
 )
+from tests.sse_stream import SseStream
 
 GRACE = 120
 STREAM = {"model": BASE, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 64,
@@ -43,31 +41,6 @@ def first_in_line(tmp_path_factory, worker, monkeypatch):
     proc.stop()
 
 
-class GatewayStream(threading.Thread):
-    def __init__(self, url: str, key: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.key = url, key
-        self.chunks: list[dict] = []
-        self.done = False
-        self.started = threading.Event()
-        self.failure: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=STREAM, timeout=120,
-                              headers={"authorization": f"Bearer {self.key}"}) as response:
-                assert response.status_code == 200, response.read()
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        self.chunks.append(json.loads(line[6:]))
-                        self.started.set()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.failure = exc
-            self.started.set()
-
-
 def test_sigterm_drains_a_worker_without_a_client_seeing_an_error(acme, worker, live, settings, first_in_line):
     from portal.gateway.resolve import base_model_forget
 
@@ -75,7 +48,7 @@ def test_sigterm_drains_a_worker_without_a_client_seeing_an_error(acme, worker, 
     base_model_forget()
     assert route_candidates(lora_name=None)[0].url == first_in_line.url
 
-    streams = [GatewayStream(live.url, acme.key) for _ in range(8)]
+    streams = [SseStream(f"{live.url}/v1/chat/completions", STREAM, {"authorization": f"Bearer {acme.key}"}) for _ in range(8)]
     for s in streams:
         s.start()
     for s in streams:
@@ -97,8 +70,8 @@ def test_sigterm_drains_a_worker_without_a_client_seeing_an_error(acme, worker, 
     for s in streams:
         s.join(GRACE)
         assert s.failure is None, s.failure
-        assert s.done and not [c for c in s.chunks if "error" in c]
-        assert [c["choices"][0]["finish_reason"] for c in s.chunks if c.get("choices")][-1] == "length"
+        assert s.done and s.errors == []
+        assert s.finish_reasons[-1] == "length"
     assert first_in_line.proc.wait(30) == 0, first_in_line.log
     assert '"POST /v1/chat/completions HTTP/1.1" 503' in first_in_line.log  # (its access log, flushed at exit)
     # Gone now: its port refuses connections, and the gateway goes on to the other worker.
