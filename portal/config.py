@@ -46,6 +46,9 @@ DEFAULT_DATABASE_POOL_TIMEOUT = 10.0
 DEFAULT_QUOTA_CONCURRENCY_LEASE_SECONDS = 900
 # Requests in flight on a worker beyond which routing prefers another (adapter affinity yields).
 DEFAULT_FLEET_MAX_LOAD = 64
+# c in routing's relative bound: no worker takes new requests once it holds c x the fleet's mean
+# load (consistent hashing with bounded loads; portal.fleet.selectors.load_bound).
+DEFAULT_FLEET_LOAD_FACTOR = 1.25
 # The widest adapter rank uploads are validated against while no worker has said its own.
 DEFAULT_ADAPTER_MAX_LORA_RANK = 16
 # Entries an uploaded archive may hold (a save_pretrained directory has a handful).
@@ -71,12 +74,12 @@ DEFAULT_PRODUCTION_HSTS_SECONDS = 365 * 24 * 60 * 60
 # Every variable WebConfig.from_env reads (tests start processes without the caller's values).
 VARIABLES = (
     "PORTAL_ENV", "DJANGO_ENV", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "CSRF_TRUSTED_ORIGINS",
-    "DATABASE_URL", "DATABASE_POOL_SIZE", "REDIS_URL", "INFERENCE_URLS", "INFERENCE_ADMIN_TOKEN",
+    "DATABASE_URL", "DATABASE_POOL_SIZE", "REDIS_URL", "INFERENCE_URLS", "INFERENCE_DISCOVERY", "INFERENCE_ADMIN_TOKEN",
     "PORTAL_INTERNAL_URL", "STORAGE_ROOT", "STATIC_ROOT", "LOG_LEVEL", "MAX_UPLOAD_BYTES",
     "SECURE_SSL_REDIRECT", "SECURE_HSTS_SECONDS", "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD",
     "GATEWAY_MAX_BODY_BYTES", "REDIS_KEY_PREFIX", "DATABASE_POOL_TIMEOUT",
-    "QUOTA_CONCURRENCY_LEASE_SECONDS", "FLEET_MAX_LOAD", "ADAPTER_MAX_LORA_RANK", "ADAPTER_MAX_EXTRACTED_BYTES",
-    "ADAPTER_MAX_ARCHIVE_FILES", "ADAPTER_STAGE_RETRY_SECONDS", "ADAPTER_PREWARM_TOP_N",
+    "QUOTA_CONCURRENCY_LEASE_SECONDS", "FLEET_MAX_LOAD", "FLEET_LOAD_FACTOR", "ADAPTER_MAX_LORA_RANK", "ADAPTER_MAX_EXTRACTED_BYTES",
+    "ADAPTER_MAX_ARCHIVE_FILES", "ADAPTER_STAGE_RETRY_SECONDS", "ADAPTER_PREWARM_TOP_N", "METRICS_TOKEN",
 )
 
 
@@ -115,7 +118,13 @@ class WebConfig:
     database_pool_size: int
     redis_url: str | None  # None: in-memory channel layer, eager Celery, local-memory cache
     inference_urls: tuple[str, ...]
+    # DNS names whose address records are workers, re-resolved on every fleet poll
+    # ("dns://inference-headless:8001": a Kubernetes headless Service); see portal.fleet.discovery.
+    inference_discovery: tuple[str, ...]
     inference_admin_token: str | None
+    # The bearer token Prometheus presents to GET /metrics (portal.core.metrics_asgi); None: /metrics
+    # is open in development and absent (404) in production.
+    metrics_token: str | None
     storage_root: Path
     static_root: Path
     log_level: str
@@ -137,6 +146,7 @@ class WebConfig:
     database_pool_timeout: float  # seconds a step waits for a pooled connection (then a 503)
     quota_concurrency_lease_seconds: int
     fleet_max_load: int
+    fleet_load_factor: float  # >= 1
     adapter_max_lora_rank: int
     adapter_max_extracted_bytes: int  # the most an uploaded archive may unpack to
     adapter_max_archive_files: int
@@ -197,6 +207,9 @@ def _identity_settings(env: Mapping[str, str], production: bool) -> dict[str, An
     inference_admin_token = env.get("INFERENCE_ADMIN_TOKEN")
     if production:
         _check_production_admin_token(inference_admin_token)
+    metrics_token = env.get("METRICS_TOKEN")
+    if production and metrics_token is not None:
+        _check_production_metrics_token(metrics_token)
     return dict(
         debug=debug,
         secret_key=secret_key,
@@ -205,6 +218,7 @@ def _identity_settings(env: Mapping[str, str], production: bool) -> dict[str, An
             _parse_http_url("CSRF_TRUSTED_ORIGINS", origin) for origin in _parse_list(env.get("CSRF_TRUSTED_ORIGINS"))
         ),
         inference_admin_token=inference_admin_token,
+        metrics_token=metrics_token,
         log_level=_parse_log_level(env.get("LOG_LEVEL")),
     )
 
@@ -219,6 +233,7 @@ def _service_settings(env: Mapping[str, str], production: bool) -> dict[str, Any
                 "required in production: the URL the inference workers reach this portal at, e.g. http://web:8000",
             )
         portal_internal_url = DEFAULT_DEV_PORTAL_INTERNAL_URL
+    discovery = _parse_inference_discovery(env.get("INFERENCE_DISCOVERY"))
     return dict(
         database_url=_parse_database_url(env.get("DATABASE_URL")),
         database_pool_size=_parse_non_negative_int(
@@ -227,7 +242,8 @@ def _service_settings(env: Mapping[str, str], production: bool) -> dict[str, Any
             "DATABASE_POOL_TIMEOUT", env.get("DATABASE_POOL_TIMEOUT"), default=DEFAULT_DATABASE_POOL_TIMEOUT),
         redis_url=_parse_redis_url(env.get("REDIS_URL")),
         redis_key_prefix=_parse_key_prefix(env.get("REDIS_KEY_PREFIX")),
-        inference_urls=_parse_inference_urls(env.get("INFERENCE_URLS")),
+        inference_urls=_parse_inference_urls(env.get("INFERENCE_URLS"), discovery=discovery),
+        inference_discovery=discovery,
         portal_internal_url=_parse_http_url("PORTAL_INTERNAL_URL", portal_internal_url),
         storage_root=_under_repo_root(env.get("STORAGE_ROOT", str(DEFAULT_STORAGE_ROOT))),
         static_root=_under_repo_root(env.get("STATIC_ROOT", str(DEFAULT_STATIC_ROOT))),
@@ -259,6 +275,7 @@ def _limit_settings(env: Mapping[str, str]) -> dict[str, Any]:
             "QUOTA_CONCURRENCY_LEASE_SECONDS", env.get("QUOTA_CONCURRENCY_LEASE_SECONDS"),
             default=DEFAULT_QUOTA_CONCURRENCY_LEASE_SECONDS),
         fleet_max_load=_parse_positive_int("FLEET_MAX_LOAD", env.get("FLEET_MAX_LOAD"), default=DEFAULT_FLEET_MAX_LOAD),
+        fleet_load_factor=_parse_load_factor(env.get("FLEET_LOAD_FACTOR")),
         adapter_max_lora_rank=_parse_positive_int(
             "ADAPTER_MAX_LORA_RANK", env.get("ADAPTER_MAX_LORA_RANK"), default=DEFAULT_ADAPTER_MAX_LORA_RANK),
         adapter_max_extracted_bytes=_parse_positive_int(
@@ -343,6 +360,16 @@ def _check_production_admin_token(token: str | None) -> None:
         )
 
 
+def _check_production_metrics_token(token: str) -> None:
+    """The metrics name every tenant and its models: the token is held to the fleet secret's length."""
+    if len(token) < ADMIN_TOKEN_MIN_LENGTH:
+        raise ConfigError(
+            "METRICS_TOKEN",
+            f"too short for production ({len(token)} characters, needs at least {ADMIN_TOKEN_MIN_LENGTH}); "
+            'generate one with python -c "import secrets; print(secrets.token_urlsafe(32))"',
+        )
+
+
 def _parse_key_prefix(value: str | None) -> str:
     if value is None:
         return DEFAULT_REDIS_KEY_PREFIX
@@ -360,6 +387,18 @@ def _parse_positive_float(variable: str, value: str | None, *, default: float) -
         raise ConfigError(variable, f"not a number: {value!r}") from None
     if not 0 < number < float("inf"):
         raise ConfigError(variable, f"must be a positive number of seconds, got {value!r}")
+    return number
+
+
+def _parse_load_factor(value: str | None) -> float:
+    if value is None:
+        return DEFAULT_FLEET_LOAD_FACTOR
+    try:
+        number = float(value.strip())
+    except ValueError:
+        raise ConfigError("FLEET_LOAD_FACTOR", f"not a number: {value!r}") from None
+    if not 1 <= number < float("inf"):  # under 1 the bound is under the mean: no worker might be under it
+        raise ConfigError("FLEET_LOAD_FACTOR", f"must be a number >= 1 (1.25: at most 1.25x the mean load), got {value!r}")
     return number
 
 
@@ -434,15 +473,56 @@ def _parse_http_url(variable: str, value: str) -> str:
     return value.rstrip("/")
 
 
-def _parse_inference_urls(value: str | None) -> tuple[str, ...]:
+def _parse_inference_urls(value: str | None, *, discovery: tuple[str, ...] = ()) -> tuple[str, ...]:
     if value is None:
-        return DEFAULT_INFERENCE_URLS
+        # Workers found through DNS need no static list; otherwise the local worker of `make run`.
+        return () if discovery else DEFAULT_INFERENCE_URLS
     urls = tuple(_parse_http_url("INFERENCE_URLS", item) for item in _parse_list(value))
     if not urls:
         raise ConfigError("INFERENCE_URLS", "no URL given (comma-separated http(s) URLs)")
     if len(set(urls)) != len(urls):
         raise ConfigError("INFERENCE_URLS", f"lists a worker twice: {value!r}")
     return urls
+
+
+@dataclass(frozen=True)
+class DiscoveryName:
+    """One INFERENCE_DISCOVERY entry (resolved by portal.fleet.discovery on every poll)."""
+
+    spec: str  # as configured: "dns://inference-headless:8001"
+    host: str
+    port: int
+
+
+def parse_discovery(spec: str) -> DiscoveryName:
+    """`dns://HOST:PORT` -> DiscoveryName; ValueError with the reason otherwise."""
+    value = (spec or "").strip()
+    parts = urlsplit(value)
+    if parts.scheme != "dns":
+        raise ValueError(f"{value!r}: use dns://NAME:PORT (e.g. dns://inference-headless:8001)")
+    if not parts.hostname:
+        raise ValueError(f"{value!r}: no DNS name")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{value!r}: bad port") from None
+    if not port:
+        raise ValueError(f"{value!r}: the workers' port is required (dns://NAME:PORT)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"{value!r}: only dns://NAME:PORT, nothing else")
+    return DiscoveryName(spec=value, host=parts.hostname, port=port)
+
+
+def _parse_inference_discovery(value: str | None) -> tuple[str, ...]:
+    specs = []
+    for item in _parse_list(value):
+        try:
+            specs.append(parse_discovery(item).spec)
+        except ValueError as error:
+            raise ConfigError("INFERENCE_DISCOVERY", str(error)) from None
+    if len(set(specs)) != len(specs):
+        raise ConfigError("INFERENCE_DISCOVERY", f"lists a name twice: {value!r}")
+    return tuple(specs)
 
 
 def _parse_database_url(value: str | None) -> str:

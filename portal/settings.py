@@ -5,6 +5,8 @@ No decisions are made here beyond that mapping; change behaviour in WebConfig.
 
 import os
 
+from kombu import Queue
+
 from portal.config import REPO_ROOT, WebConfig
 
 CONFIG = WebConfig.from_env(os.environ)
@@ -114,6 +116,7 @@ ADAPTER_MAX_ARCHIVE_FILES = CONFIG.adapter_max_archive_files
 ADAPTER_STAGE_RETRY_SECONDS = CONFIG.adapter_stage_retry_seconds  # staging's first retry, doubling
 ADAPTER_PREWARM_TOP_N = CONFIG.adapter_prewarm_top_n  # adapters kept staged on every worker
 FLEET_MAX_LOAD = CONFIG.fleet_max_load  # requests in flight before routing passes a worker by
+FLEET_LOAD_FACTOR = CONFIG.fleet_load_factor  # routing's relative bound: c x the fleet's mean load
 QUOTA_CONCURRENCY_LEASE_SECONDS = CONFIG.quota_concurrency_lease_seconds
 # The platform's own Redis keys: rate-limit counters (portal.quotas), spooled ledger rows
 # (portal.usage.spool).
@@ -147,6 +150,35 @@ else:
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_IGNORE_RESULT = True  # tasks report through the database, not a result backend
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Queues: the fleet poll alone on `fleet`, so a long adapter validation never delays it; the
+# adapters' validation, staging, unloads and prewarm on `adapters`; the rest (usage roll-ups, the
+# usage spool replay) on the default `celery`. A worker started without -Q consumes all three
+# (one box: deploy/local/run.py); deployments give `fleet` a worker of its own (deploy/compose.yaml,
+# deploy/k8s/base/celery.yaml). Each queue's routing key is its name: a message goes to one queue.
+# Time limits (seconds, soft then hard): the soft one raises SoftTimeLimitExceeded in the task (a
+# validation then rejects the version, staging's try fails), the hard one kills the worker process.
+CELERY_TASK_DEFAULT_QUEUE = "celery"
+CELERY_TASK_QUEUES = tuple(Queue(name, routing_key=name) for name in ("celery", "fleet", "adapters"))
+CELERY_TASK_SOFT_TIME_LIMIT = 240  # any task not listed below
+CELERY_TASK_TIME_LIMIT = 300
+_TASKS = {  # name: (queue, soft limit, hard limit)
+    "portal.fleet.tasks.fleet_poll_task": ("fleet", 25, 30),  # every 10 s; probes time out after 2 s
+    "portal.adapters.tasks.adapter_version_validate_task": ("adapters", 600, 660),  # unpack + check GBs
+    "portal.adapters.staging.version_stage_task": ("adapters", 330, 390),  # one load: up to 300 s
+    "portal.adapters.staging.worker_unload_task": ("adapters", 60, 90),
+    "portal.adapters.prewarm.prewarm_task": ("adapters", 120, 180),
+    "portal.adapters.reconcile.fleet_reconcile_task": ("adapters", 120, 180),  # after each poll
+    "portal.usage.tasks.usage_rollup_task": ("celery", 600, 720),
+    "portal.usage.tasks.usage_spool_replay_task": ("celery", 240, 300),  # its Redis lock lasts 600 s
+}
+CELERY_TASK_ROUTES = {name: {"queue": queue} for name, (queue, _, _) in _TASKS.items()}
+CELERY_TASK_ANNOTATIONS = {name: {"soft_time_limit": soft, "time_limit": hard}
+                           for name, (_, soft, hard) in _TASKS.items()}
+# Task events (sent, received, started, succeeded, failed, retried) on the broker: what the
+# celery-exporter (deploy/k8s/base/celery-exporter.yaml) counts. Redis pub/sub: dropped when
+# nothing listens.
+CELERY_WORKER_SEND_TASK_EVENTS = True
+CELERY_TASK_SEND_SENT_EVENT = True
 
 # The REST API (/api/v1/, schema at /api/schema/): session or API-key auth, errors mapped in one place.
 REST_FRAMEWORK = {
@@ -177,7 +209,9 @@ LOGIN_URL = "console:login"
 LOGIN_REDIRECT_URL = "console:tenants"
 
 INFERENCE_URLS = list(CONFIG.inference_urls)
+INFERENCE_DISCOVERY = list(CONFIG.inference_discovery)  # read by portal.fleet.services (each poll)
 INFERENCE_ADMIN_TOKEN = CONFIG.inference_admin_token
+METRICS_TOKEN = CONFIG.metrics_token  # GET /metrics (portal.core.metrics_asgi)
 PORTAL_INTERNAL_URL = CONFIG.portal_internal_url  # read by portal.fleet.client (the load body's lora_url)
 
 # HTTPS. Production sits behind a TLS-terminating proxy that sets X-Forwarded-Proto (it must

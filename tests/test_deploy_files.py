@@ -50,12 +50,12 @@ def requirement_lines(name: str) -> list[str]:
 
 def test_compose_has_every_process_with_healthchecks(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {"postgres", "redis", "web", "worker", "beat", "inference-1", "inference-2"}
+    assert set(services) == {"postgres", "redis", "web", "worker", "fleet-worker", "beat", "inference-1", "inference-2"}
     assert services["postgres"]["image"] == "postgres:16"
     assert services["redis"]["image"] == "redis:7"
     for name, service in services.items():
         assert "healthcheck" in service, name
-    for name in ("web", "worker", "beat", "inference-1", "inference-2"):
+    for name in ("web", "worker", "fleet-worker", "beat", "inference-1", "inference-2"):
         assert services[name]["env_file"] == ".env"
         dockerfile = DEPLOY.parent / services[name]["build"]["dockerfile"]
         assert dockerfile.is_file(), dockerfile
@@ -65,10 +65,35 @@ def test_web_migrates_before_serving_and_workers_wait_for_it(compose: dict) -> N
     services = compose["services"]
     web = " ".join(services["web"]["command"])
     assert web.index("manage.py migrate") < web.index("uvicorn portal.asgi:application")
-    assert services["worker"]["command"][:4] == ["celery", "-A", "portal.celery", "worker"]
+    for name in ("worker", "fleet-worker"):
+        assert services[name]["command"][:4] == ["celery", "-A", "portal.celery", "worker"]
     assert services["beat"]["command"][:4] == ["celery", "-A", "portal.celery", "beat"]
-    for name in ("worker", "beat"):
+    for name in ("worker", "fleet-worker", "beat"):
         assert services[name]["depends_on"]["web"]["condition"] == "service_healthy"
+
+
+def consumed_queues(command: list[str]) -> set[str]:
+    """The queues a `celery worker` command line consumes (every configured one without --queues)."""
+    from django.conf import settings
+
+    for flag in ("--queues", "-Q"):
+        if flag in command:
+            return set(command[command.index(flag) + 1].split(","))
+    return {queue.name for queue in settings.CELERY_TASK_QUEUES}
+
+
+def test_the_fleet_poll_has_a_worker_of_its_own_and_every_queue_a_worker(compose: dict) -> None:
+    from django.conf import settings
+
+    services = compose["services"]
+    assert consumed_queues(services["fleet-worker"]["command"]) == {"fleet"}
+    assert "fleet" not in consumed_queues(services["worker"]["command"])
+    configured = {queue.name for queue in settings.CELERY_TASK_QUEUES}
+    assert consumed_queues(services["worker"]["command"]) | {"fleet"} == configured
+    # One box (deploy/local/run.py) runs a single worker without --queues: it takes them all.
+    [one_box] = [line for line in (DEPLOY / "local" / "run.py").read_text().splitlines()
+                 if "celery -A portal.celery worker" in line]
+    assert consumed_queues(one_box.split()) == configured
 
 
 def example_values() -> dict[str, str]:
@@ -195,6 +220,26 @@ def test_make_run_keeps_what_the_environment_sets() -> None:
     on_every_interface = run.local_environment({}, web_host="0.0.0.0", web_port="9000")
     assert on_every_interface["PORTAL_INTERNAL_URL"] == "http://127.0.0.1:9000"
     assert on_every_interface["INFERENCE_PORTAL_ORIGINS"] == "http://127.0.0.1:9000"
+
+
+def test_make_run_starts_a_local_fleet_when_asked(monkeypatch, capsys) -> None:
+    run = load_run_script()
+
+    env = run.local_environment({"INFERENCE_WORKERS": "3"})
+    assert env["INFERENCE_URLS"] == "http://127.0.0.1:8001,http://127.0.0.1:8002,http://127.0.0.1:8003"
+    monkeypatch.setattr(run.os, "environ", env)
+    procs = run.processes()
+    assert [procs[f"inference-{i}"].split()[-1] for i in (1, 2, 3)] == ["8001", "8002", "8003"]
+    assert "inference" not in procs
+    # One worker keeps its old name and the default INFERENCE_URLS; a list the caller set wins.
+    assert "INFERENCE_URLS" not in run.local_environment({})
+    assert run.local_environment({"INFERENCE_WORKERS": "2", "INFERENCE_URLS": "http://gpu:8001"})[
+        "INFERENCE_URLS"] == "http://gpu:8001"
+    for bad in ("0", "nine", "-1", "99"):
+        with pytest.raises(SystemExit) as stopped:
+            run.local_environment({"INFERENCE_WORKERS": bad})
+        assert stopped.value.code == 2
+        assert "INFERENCE_WORKERS" in capsys.readouterr().err
 
 
 def _third_party_imports(*packages: str) -> set[str]:

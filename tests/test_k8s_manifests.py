@@ -29,16 +29,21 @@ SECRET = "loraplex-secrets"
 # only their apiVersion, kind and metadata are checked here.
 CRD_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "ServiceMonitor": "monitoring.coreos.com/v1"}
 WORKLOADS = ("Deployment", "StatefulSet")
+CELERY_EXPORTER_IMAGE = "ghcr.io/danihodovic/celery-exporter"  # deploy/k8s/base/celery-exporter.yaml, pinned there
 # How the processes find each other: set in compose.yaml and in the manifests alike.
-PORTAL_WIRING = {"PORTAL_INTERNAL_URL", "INFERENCE_URLS", "DATABASE_URL", "REDIS_URL"}
+PORTAL_WIRING = {"PORTAL_INTERNAL_URL", "DATABASE_URL", "REDIS_URL"}
+# How the portal finds its workers: a static list (compose: two named services) or a DNS name
+# (Kubernetes: the headless Service, re-resolved on every poll); each side sets one of them.
+WORKER_FINDING = {"INFERENCE_URLS", "INFERENCE_DISCOVERY"}
 INFERENCE_WIRING = {"INFERENCE_PORTAL_ORIGINS"}
-SECRET_VARIABLES = {"SECRET_KEY", "INFERENCE_ADMIN_TOKEN", "DATABASE_URL", "REDIS_URL"}
+SECRET_VARIABLES = {"SECRET_KEY", "INFERENCE_ADMIN_TOKEN", "DATABASE_URL", "REDIS_URL", "METRICS_TOKEN"}
 # What the secrets stand for when the rendered settings are loaded by the real config classes.
 EXAMPLE_SECRETS = {
     "SECRET_KEY": "e" * 30 + "xample-s3cret-KEY-" + "q" * 10,
     "INFERENCE_ADMIN_TOKEN": "example-fleet-token-of-32-characters",
     "DATABASE_URL": "postgres://loraplex:pw@postgres.example:5432/loraplex",
     "REDIS_URL": "redis://redis.example:6379/0",
+    "METRICS_TOKEN": "example-metrics-token-of-32-characters",
 }
 
 
@@ -89,10 +94,13 @@ def all_containers(workload: dict) -> list[dict]:
 
 
 def side(container: dict) -> str:
-    """'portal' for the web image (web, Celery, migrations), 'inference' for the workers."""
+    """'portal' for the web image (web, Celery, migrations), 'inference' for the workers,
+    'celery-exporter' for the exporter of Celery's metrics (a third-party image)."""
     image = container["image"]
     if image.startswith("loraplex-web"):
         return "portal"
+    if image.split(":")[0] == CELERY_EXPORTER_IMAGE:
+        return "celery-exporter"
     assert image.startswith("loraplex-inference"), image
     return "inference"
 
@@ -110,7 +118,9 @@ def container_env(objects: list[dict], container: dict) -> dict[str, object]:
 
 
 def undeclared_variables(objects: list[dict]) -> list[str]:
-    declared = {"portal": portal_variables(), "inference": inference_variables()}
+    # The exporter takes its settings as flags; only the broker URL comes in, from the Secret
+    # (its args say --broker-url=$(REDIS_URL)).
+    declared = {"portal": portal_variables(), "inference": inference_variables(), "celery-exporter": {"REDIS_URL"}}
     return [f"{w['metadata']['name']}/{c['name']}: {name}"
             for w in workloads(objects) for c in all_containers(w)
             for name in container_env(objects, c) if name not in declared[side(c)]]
@@ -127,7 +137,8 @@ def side_env(objects: list[dict], wanted: str) -> dict[str, dict[str, object]]:
 def test_each_overlay_renders_every_part_of_the_platform(objects) -> None:
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert {("Namespace", NAMESPACE), ("Deployment", "web"), ("Service", "web"), ("Ingress", "web"),
-            ("Job", "migrate"), ("Deployment", "celery-worker"), ("Deployment", "celery-beat"),
+            ("Job", "migrate"), ("Deployment", "celery-worker"), ("Deployment", "celery-fleet-worker"),
+            ("Deployment", "celery-beat"), ("ServiceMonitor", "web"),
             ("StatefulSet", "inference"), ("Service", "inference-headless"),
             ("PodDisruptionBudget", "inference"), ("NetworkPolicy", "inference"),
             ("PersistentVolumeClaim", "adapter-storage"), ("ScaledObject", "inference"),
@@ -226,7 +237,7 @@ def test_an_undeclared_variable_is_reported(objects) -> None:
 
 def compose_env(wanted: str) -> dict[str, set[str]]:
     services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
-    names = {"portal": ("web", "worker", "beat"), "inference": tuple(s for s in services if s.startswith("inference"))}
+    names = {"portal": ("web", "worker", "fleet-worker", "beat"), "inference": tuple(s for s in services if s.startswith("inference"))}
     return {name: set(services[name].get("environment", {})) for name in names[wanted]}
 
 
@@ -241,8 +252,10 @@ def test_compose_and_the_manifests_name_the_same_variables(objects, wanted, decl
     for where, names in (*compose.items(), *manifests.items()):
         assert names <= declared(), f"{where}: not declared by the config: {sorted(names - declared())}"
         assert wiring <= names, f"{where}: no {sorted(wiring - names)}"
+        if wanted == "portal":
+            assert names & WORKER_FINDING, f"{where}: finds no worker (neither of {sorted(WORKER_FINDING)})"
     # What compose wires, the manifests wire too, under the same name.
-    compose_names = set.union(*compose.values())
+    compose_names = set.union(*compose.values()) - WORKER_FINDING
     for where, names in manifests.items():
         assert compose_names <= names, f"{where} lacks {sorted(compose_names - names)} that compose sets"
 
@@ -279,9 +292,11 @@ def test_the_workers_and_the_portal_name_each_other(objects) -> None:
     headless = get(objects, "Service", statefulset["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
     scaled = get(objects, "ScaledObject", "inference")
-    expected = [f"http://inference-{i}.{headless['metadata']['name']}:{headless['spec']['ports'][0]['port']}"
-                for i in range(scaled["spec"]["maxReplicaCount"])]
-    assert web_env["INFERENCE_URLS"].split(",") == expected  # a name for every worker KEDA may start
+    # Every ready pod is an address record of the headless Service: the fleet finds them all,
+    # however many KEDA starts; a pod that is loading or draining is not published (not routed).
+    assert web_env["INFERENCE_DISCOVERY"] == f"dns://{headless['metadata']['name']}:{headless['spec']['ports'][0]['port']}"
+    assert "INFERENCE_URLS" not in web_env
+    assert not headless["spec"].get("publishNotReadyAddresses", False)
     assert scaled["spec"]["minReplicaCount"] <= statefulset["spec"]["replicas"] <= scaled["spec"]["maxReplicaCount"]
 
 
@@ -305,8 +320,34 @@ def test_replicas_web_two_beat_exactly_one(objects) -> None:
     assert beat["spec"]["replicas"] == 1
     assert beat["spec"]["strategy"]["type"] == "Recreate"  # never two during a rollout
     assert pod_spec(beat)["containers"][0]["command"][:4] == ["celery", "-A", "portal.celery", "beat"]
-    worker = get(objects, "Deployment", "celery-worker")
-    assert pod_spec(worker)["containers"][0]["command"][:4] == ["celery", "-A", "portal.celery", "worker"]
+    for name in ("celery-worker", "celery-fleet-worker"):
+        worker = get(objects, "Deployment", name)
+        assert pod_spec(worker)["containers"][0]["command"][:4] == ["celery", "-A", "portal.celery", "worker"]
+
+
+def test_the_fleet_poll_has_a_worker_of_its_own_and_every_queue_a_worker(objects) -> None:
+    from django.conf import settings
+
+    from tests.test_deploy_files import consumed_queues
+
+    def queues(name: str) -> set[str]:
+        return consumed_queues(pod_spec(get(objects, "Deployment", name))["containers"][0]["command"])
+
+    assert queues("celery-fleet-worker") == {"fleet"}
+    assert queues("celery-worker") == {queue.name for queue in settings.CELERY_TASK_QUEUES} - {"fleet"}
+    assert get(objects, "Deployment", "celery-fleet-worker")["spec"]["replicas"] == 1
+
+
+def test_prometheus_scrapes_the_web_pods_with_the_metrics_token(objects) -> None:
+    monitor = get(objects, "ServiceMonitor", "web")["spec"]
+    service = get(objects, "Service", "web")
+    assert selects(monitor["selector"], service["metadata"]["labels"])
+    [endpoint] = monitor["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == (service["spec"]["ports"][0]["name"], "/metrics")
+    # The token by the Secret's name and key only, the very key the web pods read.
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": SECRET, "key": "METRICS_TOKEN"}}
+    [web] = pod_spec(get(objects, "Deployment", "web"))["containers"]
+    assert container_env(objects, web)["METRICS_TOKEN"] == {"secretKeyRef": {"name": SECRET, "key": "METRICS_TOKEN"}}
 
 
 def test_probes_hit_the_health_endpoints(objects) -> None:
@@ -362,7 +403,7 @@ def test_only_web_and_celery_pods_reach_the_workers(objects) -> None:
     in_namespace = [peer["podSelector"] for rule in policy["ingress"] for peer in rule["from"]
                     if "podSelector" in peer and "namespaceSelector" not in peer]
     allowed = {name for name, pod in labels.items() if any(selects(s, pod) for s in in_namespace)}
-    assert allowed == {"web", "celery-worker"}
+    assert allowed == {"web", "celery-worker", "celery-fleet-worker"}
     for rule in policy["ingress"]:
         assert rule["ports"] == [{"port": 8001, "protocol": "TCP"}]
     # Out: the web pods on 8000 (adapter downloads), and DNS.
@@ -421,7 +462,8 @@ def test_operators_retag_the_images_with_kustomize(tmp_path) -> None:
 
     images = {c["image"] for w in workloads(render(tmp_path)) for c in all_containers(w)}
 
-    assert images == {"registry.example/loraplex-web:1.4.0", "registry.example/loraplex-inference-cuda:1.4.0"}
+    assert images == {"registry.example/loraplex-web:1.4.0", "registry.example/loraplex-inference-cuda:1.4.0",
+                      f"{CELERY_EXPORTER_IMAGE}:0.12.2"}  # not ours: pinned, never retagged with the release
 
 
 def test_the_cuda_image_is_the_cpu_image_with_torch_from_pypi() -> None:

@@ -32,8 +32,11 @@ PY = sys.executable
 WEB_HOST = os.environ.get("WEB_HOST", "127.0.0.1")
 WEB_PORT = os.environ.get("WEB_PORT", "8000")
 # The inference worker: the web side finds it through INFERENCE_URLS (default http://127.0.0.1:8001).
+# INFERENCE_WORKERS=N starts N of them on consecutive ports from 8001 (a fleet on one box: adapter
+# affinity, spill-over, a worker stopped while the others serve); each loads its own copy of the model.
 INFERENCE_HOST = "127.0.0.1"
 INFERENCE_PORT = "8001"
+MAX_LOCAL_WORKERS = 8
 # Bound to every interface, the web process is still reached by the local worker on loopback.
 ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}
 
@@ -52,7 +55,20 @@ def local_environment(environ: dict[str, str], *, web_host: str = WEB_HOST, web_
         env["PORTAL_INTERNAL_URL"] = f"http://{host}:{web_port}"
     if not env.get("INFERENCE_PORTAL_ORIGINS"):
         env["INFERENCE_PORTAL_ORIGINS"] = origin_of(env["PORTAL_INTERNAL_URL"])
+    ports = worker_ports(env)
+    if len(ports) > 1 and not env.get("INFERENCE_URLS") and not env.get("INFERENCE_DISCOVERY"):
+        env["INFERENCE_URLS"] = ",".join(f"http://{INFERENCE_HOST}:{port}" for port in ports)
     return env
+
+
+def worker_ports(env: dict[str, str]) -> list[int]:
+    """The local workers' ports: INFERENCE_WORKERS (default 1) of them from INFERENCE_PORT."""
+    value = env.get("INFERENCE_WORKERS") or "1"
+    if not value.isdigit() or not 1 <= int(value) <= MAX_LOCAL_WORKERS:
+        print(f"run: INFERENCE_WORKERS: {value!r} is not a number of workers from 1 to {MAX_LOCAL_WORKERS}",
+              file=sys.stderr)
+        sys.exit(2)
+    return [int(INFERENCE_PORT) + i for i in range(int(value))]
 
 
 def origin_of(url: str) -> str:
@@ -97,11 +113,12 @@ def ensure_postgres_database() -> None:
 
 
 def processes() -> dict[str, str]:
-    procs = {
-        "web": f"{PY} -m uvicorn portal.asgi:application --host {WEB_HOST} --port {WEB_PORT}",
+    procs = {"web": f"{PY} -m uvicorn portal.asgi:application --host {WEB_HOST} --port {WEB_PORT}"}
+    ports = worker_ports(dict(os.environ))
+    for i, port in enumerate(ports, start=1):
         # Engine settings come from INFERENCE_* variables (the model: INFERENCE_MODEL or the fetched default).
-        "inference": f"{PY} -m inference serve --host {INFERENCE_HOST} --port {INFERENCE_PORT}",
-    }
+        name = "inference" if len(ports) == 1 else f"inference-{i}"
+        procs[name] = f"{PY} -m inference serve --host {INFERENCE_HOST} --port {port}"
     if os.environ.get("REDIS_URL"):
         procs["worker"] = f"{PY} -m celery -A portal.celery worker --beat --schedule var/celerybeat-schedule --loglevel INFO --concurrency 2"
     else:
@@ -126,7 +143,8 @@ def main() -> int:
         f"  portal     {base}/\n"
         f"  admin      {base}/admin/   (demo staff user: admin)\n"
         f"  health     {base}/healthz\n"
-        f"  inference  http://{INFERENCE_HOST}:{INFERENCE_PORT}/v1  (OpenAI API, no auth; /ready once the model is loaded)\n",
+        + "".join(f"  inference  http://{INFERENCE_HOST}:{port}/v1  (OpenAI API, no auth; /ready once the model is loaded)\n"
+                  for port in worker_ports(dict(os.environ))),
         flush=True,
     )
     manager = Manager()

@@ -53,10 +53,11 @@ TRANSIENT_CODES = {worker_api.ADAPTER_FETCH_FAILED}
 
 
 def stage_targets() -> list[str]:
-    """Worker URLs to stage on: every enabled worker row (healthy or not: a retry may find it up),
-    or settings.INFERENCE_URLS minus disabled rows while no row exists."""
-    rows = list(InferenceWorker.objects.values_list("url", "enabled"))
-    enabled = [url for url, on in rows if on]
+    """Worker URLs to stage on: every enabled worker row still present (healthy or not: a retry
+    may find it up; a discovered one gone from DNS is not), or settings.INFERENCE_URLS minus
+    disabled rows while no row exists."""
+    rows = list(InferenceWorker.objects.values_list("url", "enabled", "gone_since"))
+    enabled = [url for url, on, gone_since in rows if on and gone_since is None]
     if enabled or rows:
         return sorted(enabled)
     return sorted({normalize_worker_url(u) for u in settings.INFERENCE_URLS})

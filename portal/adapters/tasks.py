@@ -7,7 +7,7 @@ moved here, so messages already queued on the broker still find them after a dep
 
 from celery import shared_task
 
-from portal.adapters import prewarm, staging
+from portal.adapters import prewarm, reconcile, staging
 from portal.adapters.services import VALIDATE_TASK, adapter_version_validate
 
 
@@ -56,3 +56,11 @@ def worker_unload_task(self, worker_url: str, lora_name: str) -> str:
 def prewarm_task() -> int:
     """Hourly: returns how many (worker, version) loads were enqueued."""
     return sum(len(names) for names in prewarm.prewarm().staged.values())
+
+
+@shared_task(name=reconcile.RECONCILE_TASK, ignore_result=True)
+def fleet_reconcile_task(worker_urls: list[str], came_up: list[str]) -> int:
+    """After a fleet poll: stage the deployed versions these workers lack; returns how many
+    (worker, version) loads were enqueued."""
+    plan = reconcile.fleet_reconcile_urls(worker_urls=worker_urls, came_up=came_up)
+    return sum(len(names) for names in plan.values())

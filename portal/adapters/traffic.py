@@ -7,6 +7,8 @@ gateway) and by staging, prewarm and the console. Reads only; writes are in depl
     deployment_resolve(tenant=, model=, request_id=) -> ResolvedAdapter | None
         what the gateway calls: `tenant/name@vN` pins vN, `tenant/name` picks by the weights.
     deployed_versions(adapter=) -> the versions the weights send traffic to.
+    fleet_deployed_versions() -> every active tenant's deployed versions, in one query (what
+        every worker should hold: portal.adapters.reconcile).
 """
 
 from __future__ import annotations
@@ -20,10 +22,34 @@ from portal.tenants.models import Tenant
 
 def deployed_versions(*, adapter: Adapter) -> list[AdapterVersion]:
     """The ready versions the deployment sends traffic to (weight > 0, or the newest ready)."""
-    ready = {v.number: v for v in adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True)}
+    ready = list(adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True))
     deployment = Deployment.objects.filter(adapter=adapter).first()
-    weights = {int(n): int(w) for n, w in ((deployment.weights if deployment else None) or {}).items()}
-    chosen = [ready[n] for n, w in sorted(weights.items()) if w > 0 and n in ready]
+    return _deployed(ready, deployment.weights if deployment else None)
+
+
+def fleet_deployed_versions() -> list[AdapterVersion]:
+    """Every deployed version of every active tenant's adapters (as deployed_versions, one
+    query), with adapter, tenant and deployment selected."""
+    rows = (AdapterVersion.objects.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True,
+                                          adapter__tenant__status=Tenant.Status.ACTIVE)
+            .select_related("adapter__tenant", "adapter__deployment").order_by("adapter_id", "number"))
+    by_adapter: dict[int, list[AdapterVersion]] = {}
+    for version in rows:
+        by_adapter.setdefault(version.adapter_id, []).append(version)
+    deployed = []
+    for versions in by_adapter.values():
+        try:
+            weights = versions[0].adapter.deployment.weights
+        except Deployment.DoesNotExist:
+            weights = None
+        deployed += _deployed(versions, weights)
+    return deployed
+
+
+def _deployed(ready_versions: list[AdapterVersion], weights: dict | None) -> list[AdapterVersion]:
+    ready = {v.number: v for v in ready_versions}
+    chosen = [ready[int(n)] for n, w in sorted((int(n), int(w)) for n, w in (weights or {}).items())
+              if w > 0 and int(n) in ready]
     if chosen:
         return chosen
     return [ready[max(ready)]] if ready else []

@@ -16,9 +16,10 @@ from celery import current_app
 from django.db import transaction
 
 
-def enqueue(task_name: str, *args, countdown: float | None = None) -> None:
-    """Send `task_name(*args)` now (after `countdown` seconds on a broker)."""
-    options = {"countdown": countdown} if countdown is not None else {}
+def enqueue(task_name: str, *args, countdown: float | None = None, expires: float | None = None) -> None:
+    """Send `task_name(*args)` now (after `countdown` seconds on a broker; dropped unstarted after
+    `expires` seconds, for work the next periodic run redoes anyway)."""
+    options = {key: value for key, value in (("countdown", countdown), ("expires", expires)) if value is not None}
     current_app.signature(task_name, args=args).apply_async(**options)
 
 

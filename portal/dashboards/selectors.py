@@ -14,7 +14,7 @@ from decimal import Decimal
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncDate
 
-from portal.fleet.models import InferenceWorker
+from portal.fleet.models import InferenceWorker, WorkerDiscovery
 from portal.tenants.models import Tenant
 from portal.tenants.plans import plan_for
 from portal.usage.billing import money, statement_for, token_cost
@@ -51,7 +51,8 @@ def fleet_overview() -> dict:
         memory = {kind: (worker.memory or {}).get(kind) for kind in MEMORY_KINDS}
         workers.append({
             "id": worker.pk, "name": str(worker), "url": worker.url, "enabled": worker.enabled,
-            "healthy": worker.healthy, "base_model": worker.base_model, "last_seen_at": _iso(worker.last_seen_at),
+            "healthy": worker.healthy, "state": worker.state, "base_model": worker.base_model,
+            "discovered_by": worker.discovered_by, "gone_since": _iso(worker.gone_since), "last_seen_at": _iso(worker.last_seen_at),
             "last_polled_at": _iso(worker.last_polled_at), "last_error": worker.last_error,
             "num_running": worker.num_running, "num_waiting": worker.num_waiting, "queue_depth": worker.load,
             "kv_cache_usage": worker.kv_cache_usage,
@@ -72,7 +73,9 @@ def fleet_overview() -> dict:
                 totals["memory"][kind] += memory[kind] or 0
             fleet_counters.append(worker.cache_stats or {})
     totals["cache"] = cache_rates(_sum_counters(fleet_counters))
-    return {"workers": workers, "totals": totals}
+    discovery = [{"spec": d.spec, "addresses": d.addresses, "error": d.last_error, "resolved_at": _iso(d.resolved_at),
+                  "last_ok_at": _iso(d.last_ok_at)} for d in WorkerDiscovery.objects.order_by("spec")]
+    return {"workers": workers, "totals": totals, "discovery": discovery}
 
 
 def cache_rates(counters: dict | None) -> dict | None:

@@ -8,6 +8,9 @@ from django.db import models
 # Adapter tiers on a worker (its GET /v1/adapters) that count as "resident" for routing: in
 # memory or already on its way there. "disk" (registered, evicted) and "failed" do not.
 RESIDENT_TIERS = ("device", "host", "loading")
+# How last_error begins for a worker the poll found serving another base model than the fleet.
+BASE_MISMATCH = "base model mismatch"
+WORKER_STATES = ("healthy", "unhealthy", "mismatched", "gone", "disabled")
 
 
 def normalize_worker_url(value: str) -> str:
@@ -34,14 +37,19 @@ def validate_worker_url(value: str) -> None:
 
 class InferenceWorker(models.Model):
     """One `python -m inference serve` process. Rows come from settings.INFERENCE_URLS
-    (fleet_sync_from_settings) or from staff in the admin; the poll fields are written by
-    worker_poll only."""
+    (fleet_sync_from_settings), from DNS discovery (settings.INFERENCE_DISCOVERY: one row per
+    address record) or from staff in the admin; the poll fields are written by the poll only."""
 
     # Not a URLField: Django's URL validator wants a dotted host, and workers are usually
     # reached by a bare service name ("http://inference-0:8001").
     url = models.CharField(max_length=500, unique=True, validators=[validate_worker_url])
     name = models.CharField(max_length=100, blank=True)
     enabled = models.BooleanField(default=True, help_text="Disabled workers get no traffic and are not polled.")
+    # The discovery name ("dns://inference-headless:8001") whose answer listed this worker; blank
+    # for workers from INFERENCE_URLS or the admin.
+    discovered_by = models.CharField(max_length=300, blank=True, editable=False)
+    # When the discovery name's answer stopped listing it (the pod left): not polled, not routed.
+    gone_since = models.DateTimeField(null=True, blank=True, editable=False)
 
     # What the last poll saw.
     healthy = models.BooleanField(default=False, editable=False)
@@ -77,9 +85,40 @@ class InferenceWorker(models.Model):
             pass  # the field's validator has reported it
 
     @property
+    def state(self) -> str:
+        """One word for dashboards and /metrics (WORKER_STATES): disabled in the admin; gone from
+        its DNS name; mismatched (serves another base model than the fleet); healthy or unhealthy
+        at the last poll (last_error says why)."""
+        if not self.enabled:
+            return "disabled"
+        if self.gone_since is not None:
+            return "gone"
+        if self.healthy:
+            return "healthy"
+        return "mismatched" if self.last_error.startswith(BASE_MISMATCH) else "unhealthy"
+
+    @property
     def load(self) -> int:
         """Requests on the worker at the last poll (running + waiting)."""
         return self.num_running + self.num_waiting
 
     def has_resident(self, lora_name: str) -> bool:
         return self.resident_adapters.get(lora_name) in RESIDENT_TIERS
+
+
+class WorkerDiscovery(models.Model):
+    """One name of settings.INFERENCE_DISCOVERY and what its last lookup found (the fleet page
+    shows it: a name that stops resolving is an operator's problem to see, not a silent gap)."""
+
+    spec = models.CharField(max_length=300, unique=True)  # "dns://inference-headless:8001"
+    addresses = models.JSONField(default=list, blank=True)  # worker URLs of the last good answer
+    last_error = models.TextField(blank=True)  # why the last lookup found nothing ("" = it worked)
+    resolved_at = models.DateTimeField(null=True, blank=True)  # last lookup, good or not
+    last_ok_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["spec"]
+        verbose_name = "worker discovery name"
+
+    def __str__(self) -> str:
+        return self.spec

@@ -50,6 +50,9 @@ class Probe:
     memory: dict[str, int | float] = field(default_factory=dict)
     base_config: dict = field(default_factory=dict)
     cache_stats: dict = field(default_factory=dict)
+    # True when resident_adapters is the worker's whole adapter list (GET /v1/adapters, every
+    # tier incl. "disk"), False when it was pieced together from /metrics or /v1/models.
+    adapters_listed: bool = False
 
 
 def probe_worker(url: str, *, client: WorkerClient) -> Probe:
@@ -61,6 +64,7 @@ def probe_worker(url: str, *, client: WorkerClient) -> Probe:
         probe.base_model = models.base
         probe.base_config = _read_base_config(client, url)
         adapters, warning = _read_adapters(client, url)
+        probe.adapters_listed = adapters is not None
         if adapters is None:
             # Fall back to what needs no token: residency gauges in /metrics, else the names.
             adapters = probe.resident_adapters or {name: "registered" for name in models.adapters}

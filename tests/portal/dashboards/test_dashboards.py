@@ -8,7 +8,7 @@ import pytest
 from django.utils import timezone
 
 from portal.adapters.models import Adapter, AdapterVersion
-from portal.fleet.models import InferenceWorker
+from portal.fleet.models import InferenceWorker, WorkerDiscovery
 from portal.tenants.models import Membership
 from portal.tenants.services import membership_create, tenant_create
 from portal.usage.services import usage_record_create
@@ -124,6 +124,30 @@ def test_fleet_cache_totals_add_up_healthy_workers_and_show_on_the_page(client, 
     assert "<strong>90%</strong> of 100 adapter requests found the adapter in memory" in html
     assert "(80% already in a slot) · 10 loaded from disk" in html
     assert "75% warm" in html and "no adapter requests" in html and 'data-chart="fleet-cache"' in html
+
+
+def test_the_fleet_page_shows_discovery_gone_and_mismatched_workers_with_their_reasons(client, staff, db):
+    now = timezone.now()
+    WorkerDiscovery.objects.create(spec="dns://inference-headless:8001", addresses=["http://10.0.0.5:8001"],
+                                   last_error="inference-headless does not resolve: Name or service not known",
+                                   resolved_at=now, last_ok_at=now - timedelta(minutes=3))
+    spec = "dns://inference-headless:8001"
+    InferenceWorker.objects.create(url="http://10.0.0.5:8001", healthy=True, discovered_by=spec)
+    InferenceWorker.objects.create(url="http://10.0.0.6:8001", discovered_by=spec, gone_since=now,
+                                   last_error=f"gone: left the answer of {spec} at ...; not routed")
+    InferenceWorker.objects.create(url="http://10.0.0.7:8001", base_model="llama-3-8b",
+                                   last_error="base model mismatch: serves 'llama-3-8b', the fleet serves 'smollm2'; "
+                                              "not routed")
+    client.force_login(staff)
+
+    data = client.get("/dashboards/api/fleet.json").json()
+    assert [w["state"] for w in data["workers"]] == ["healthy", "gone", "mismatched"]
+    assert data["discovery"][0]["error"].startswith("inference-headless does not resolve")
+    html = client.get("/dashboards/").content.decode()
+    assert "Discovery:" in html and "does not resolve: Name or service not known" in html
+    assert "1 worker; those keep being polled" in html and "found by dns://inference-headless:8001" in html
+    assert ">gone<" in html and ">mismatched<" in html
+    assert "serves &#x27;llama-3-8b&#x27;, the fleet serves &#x27;smollm2&#x27;" in html
 
 
 def test_tenants_json_counts_errors_quota_rejections_and_spend(client, staff, seeded):

@@ -108,6 +108,8 @@ class FakeWorker:
     delay: float = 0.0
     delay_paths: tuple = ("/ready",)
     requests: list = field(default_factory=list)
+    base: str = BASE  # the served base model's name
+    hidden_size: int = 576
 
     def metrics_text(self) -> str:
         return (METRICS.replace("{running}", f"{float(self.running)}")
@@ -123,15 +125,16 @@ class FakeWorker:
         if path == "/ready":
             if not self.ready:
                 return 503, "application/json", json.dumps({"status": "loading"})
-            return 200, "application/json", json.dumps({"status": "ready", "model": BASE})
+            return 200, "application/json", json.dumps({"status": "ready", "model": self.base})
         if path == "/metrics":
             return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics_text()
         if path == "/v1/models":
-            data = [{"id": BASE, "object": "model", "parent": None, "root": "/models/x.gguf"}]
-            data += [{"id": a["name"], "object": "model", "parent": BASE, "root": a["path"]} for a in self.adapters]
+            data = [{"id": self.base, "object": "model", "parent": None, "root": "/models/x.gguf"}]
+            data += [{"id": a["name"], "object": "model", "parent": self.base, "root": a["path"]}
+                     for a in self.adapters]
             return 200, "application/json", json.dumps({"object": "list", "data": data})
         if path == "/v1/base_model":
-            shapes = {"name": BASE, "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+            shapes = {"name": self.base, "num_hidden_layers": 30, "hidden_size": self.hidden_size, "intermediate_size": 1536,
                       "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_lora_rank": 16}
             return 200, "application/json", json.dumps(shapes)
         if path == "/v1/adapters":
@@ -143,7 +146,7 @@ class FakeWorker:
         return 404, "application/json", json.dumps({"error": {"message": "Not Found"}})
 
 
-def _serve(worker: FakeWorker) -> ThreadingHTTPServer:
+def _serve(worker: FakeWorker, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 -- http.server's naming
             status, content_type, body = worker.answer(self.path, self.headers)
@@ -160,10 +163,10 @@ def _serve(worker: FakeWorker) -> ThreadingHTTPServer:
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    worker.url = f"http://127.0.0.1:{server.server_address[1]}"
+    worker.url = f"http://{host}:{server.server_address[1]}"
     return server
 
 
@@ -171,9 +174,11 @@ def _serve(worker: FakeWorker) -> ThreadingHTTPServer:
 def make_fake_worker():
     servers = []
 
-    def make(**knobs) -> FakeWorker:
+    def make(*, host: str = "127.0.0.1", port: int = 0, **knobs) -> FakeWorker:
+        """A fake worker on host:port (port 0: a free one; the loopback range 127.0.0.0/8 gives
+        each worker of a discovery test its own address on one shared port)."""
         worker = FakeWorker(**knobs)
-        servers.append(_serve(worker))
+        servers.append(_serve(worker, host, port))
         return worker
 
     yield make
