@@ -2,7 +2,8 @@
 
 HTTP: Django; /v1/ (the OpenAI-compatible gateway) through its own handler without the portal's
 middleware (portal.gateway.asgi); both handlers bound request bodies, and authenticate large
-ones, before reading them (portal.core.body_guard). Websockets (the playground): the session's
+ones, before reading them (portal.core.body_guard). GET /metrics (Prometheus) is answered ahead
+of both (portal.core.metrics_asgi). Websockets (the playground): the session's
 user (AuthMiddlewareStack), only from an Origin in ALLOWED_HOSTS (AllowedHostsOriginValidator),
 routed by portal.playground.routing.
 """
@@ -25,11 +26,12 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from portal.core.asgi_handler import PortalASGIHandler  # noqa: E402
+from portal.core.metrics_asgi import route_metrics  # noqa: E402
 from portal.gateway.asgi import route_gateway  # noqa: E402
 from portal.keys.selectors import api_key_is_usable  # noqa: E402
 from portal.playground.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter({
-    "http": route_gateway(PortalASGIHandler(api_key_is_usable=api_key_is_usable)),
+    "http": route_metrics(route_gateway(PortalASGIHandler(api_key_is_usable=api_key_is_usable))),
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

@@ -16,3 +16,8 @@ class FleetConfig(AppConfig):
         from portal.fleet.tasks import BEAT_SCHEDULE
 
         app.conf.beat_schedule = {**(app.conf.beat_schedule or {}), **BEAT_SCHEDULE}
+        # /metrics counts the workers by state at scrape time (portal.core.metrics imports no app).
+        from portal.core.metrics import REGISTRY
+        from portal.fleet.metrics import FleetWorkers
+
+        REGISTRY.register(FleetWorkers())

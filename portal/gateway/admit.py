@@ -4,6 +4,7 @@ waiting cannot help, x-should-retry: false."""
 
 from __future__ import annotations
 
+from portal.core.metrics import QUOTA_REJECTIONS
 from portal.gateway import validation
 from portal.gateway.auth import Caller
 from portal.gateway.errors import GatewayError
@@ -20,6 +21,7 @@ async def admit(*, caller: Caller, request_id: str, endpoint: str, body: dict) -
         return await quota_admit(tenant=caller.tenant, api_key=caller.api_key, request_id=request_id,
                                  estimated_tokens=estimated)
     except QuotaExceeded as exc:
+        QUOTA_REJECTIONS.labels(tenant=caller.tenant.slug, limit=exc.limit).inc()
         headers = dict(getattr(exc, "headers", None) or {})
         headers["retry-after"] = str(max(1, int(exc.retry_after or 1)))
         if not exc.should_retry:

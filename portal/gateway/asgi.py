@@ -15,6 +15,8 @@ whatever fails.
   the views in the ASGI scope (views.SCOPE_API_KEY, SCOPE_REQUEST_ID), so a refusal here and the ledger agree.
 - Errors: anything a view lets escape is a JSON 500 with the request id (database or Redis
   unreachable: 503 with Retry-After), never Django's HTML page.
+- Metrics: every request is observed from here (portal.gateway.observe): status, duration, time
+  to the first byte, the error code it was answered.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404
 
 from portal.core.body_guard import BodyRejected, GuardedASGIHandler, has_body, header, send_json
-from portal.gateway import services
+from portal.gateway import observe, services
 from portal.gateway.errors import GatewayError, unexpected
 from portal.gateway.validation import max_body_bytes
 from portal.gateway.views import SCOPE_API_KEY, SCOPE_REQUEST_ID, error_response
@@ -66,7 +68,11 @@ class GatewayASGIHandler(GuardedASGIHandler):
 
     async def handle(self, scope, receive, send):
         scope[SCOPE_REQUEST_ID] = services.new_request_id()
-        await super().handle(scope, receive, send)
+        with observe.observing(observe.RequestObservation()) as observation:
+            try:
+                await super().handle(scope, receive, observation.wrap_send(send))
+            finally:
+                observation.finish()
 
     async def body_limit(self, scope: dict) -> int:
         if has_body(scope):

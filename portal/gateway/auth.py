@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from portal.core.db import db_sync_to_async
+from portal.gateway import observe
 from portal.gateway.errors import invalid_api_key, missing_api_key, tenant_suspended
 from portal.keys.models import ApiKey
 from portal.keys.selectors import api_key_authenticate
@@ -52,6 +53,7 @@ async def api_key_from_authorization(authorization: str | None) -> ApiKey:
     api_key = await db_sync_to_async(_authenticate)(token)
     if api_key is None:
         raise invalid_api_key()
+    observe.tenant_authenticated(api_key.tenant.slug)
     if not api_key.tenant.is_active:
         raise tenant_suspended(api_key.tenant.slug)
     return api_key

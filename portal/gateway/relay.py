@@ -5,7 +5,8 @@
     open_upstream    the routing order (portal.fleet.selectors.route_candidates), tried in turn:
                      a connection failure, 5xx, 404, 408 or 429 moves on to the next worker; an
                      adapter the worker does not hold is loaded there (lazy load) and asked again
-                     once; any other 4xx is the client's and is relayed (adapter names scrubbed)
+                     once; any other 4xx is the client's and is relayed (adapter names scrubbed).
+                     Each move to the next worker is counted (UPSTREAM_RETRIES: worker, reason)
     Completion       the worker's answer: read whole (non-streaming), or relayed chunk by chunk
                      with the public model id, the ledger fed on the way and written when the
                      stream ends or the client leaves (a stream never started is given up after
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from portal.core.db import db_sync_to_async
+from portal.core.metrics import UPSTREAM_RETRIES
 from portal.fleet.client import (
     AsyncWorkerClient,
     StreamBroken,
@@ -34,7 +36,7 @@ from portal.fleet.client import (
 )
 from portal.fleet.inflight import inflight_snapshot
 from portal.fleet.selectors import route_candidates
-from portal.gateway import validation
+from portal.gateway import observe, validation
 from portal.gateway.auth import Caller
 from portal.gateway.errors import GatewayError, no_worker
 from portal.gateway.ledger import Ledger, run_detached
@@ -108,10 +110,10 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
     client = async_worker_client()
     failures: list[str] = []
     retry_after: int | None = None
-    for worker in candidates:
+    for position, worker in enumerate(candidates, start=1):
         url = worker.url.rstrip("/")
         loaded = False
-        while True:
+        while True:  # left by return, raise, or break: this worker failed, try the next
             reply, stream = await client.open_completion(url, path=WORKER_PATHS[endpoint], content=content)
             if stream is not None:
                 ledger.worker_url = url
@@ -119,9 +121,11 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
                 return stream
             if reply.status is None:
                 failures.append(f"{url}: {type(reply.exception).__name__}")
+                reason = "unreachable"
                 break
             if reply.exception is not None:
                 failures.append(f"{url}: the response broke off")
+                reason = "broken"
                 break
             error = reply.error
             if (reply.status == 404 and target.version is not None and not loaded
@@ -129,6 +133,7 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
                 why = await _load_adapter(client, url, target)
                 if why is not None:
                     failures.append(f"{url}: {why}")
+                    reason = "load_failed"
                     break
                 loaded = True
                 continue
@@ -137,8 +142,11 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
                 failures.append(f"{url}: {reply.status} {error.message}".strip())
                 if reply.retry_after is not None:
                     retry_after = max(retry_after or 0, reply.retry_after)
+                reason = f"http_{reply.status}"
                 break
             raise _relayed(reply.status, error, target)
+        if position < len(candidates):
+            UPSTREAM_RETRIES.labels(worker=url, reason=reason).inc()
     log.warning("no worker took %s: %s", ledger.request_id, "; ".join(failures))
     raise no_worker("; ".join(failures) or "every worker failed", retry_after=retry_after or 1)
 
@@ -212,6 +220,7 @@ class Completion:
                         error = ErrorObject.from_json(chunk) or ErrorObject(str(chunk["error"]), type="server_error")
                         error = dataclasses.replace(error, message=_scrub(error.message, self.target))
                         ledger.error = error.message or "the worker reported an error"
+                        observe.stream_failed(error.code or error.type)
                         yield error.to_json()
                         continue
                     self._count(chunk)
@@ -227,6 +236,7 @@ class Completion:
                     ledger.error = f"the inference worker failed mid-stream ({broken})"
                     log.warning("%s: %s (%s)", self.request_id, ledger.error, ledger.worker_url)
                     error_chunk = ErrorObject(ledger.error, type="server_error", code="worker_failed").to_json()
+                    observe.stream_failed("worker_failed")
             if error_chunk is not None:
                 yield error_chunk
         except (asyncio.CancelledError, GeneratorExit):

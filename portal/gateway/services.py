@@ -8,6 +8,7 @@ playground (portal.playground) call. Each step is a module of its own:
     relay     route to a worker (next worker on failure before the first byte, lazy adapter load)
               → Completion: the JSON answer, or the chunks to relay
     ledger    the usage row and the quota settlement, written exactly once per request
+    observe   what /metrics learns of the request: its tenant, its model once resolved
 
     completion_stream     validate → resolve → admit → relay
     completion_rejected   the ledger row of a request refused before the pipeline
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from portal.gateway import validation
+from portal.gateway import observe, validation
 from portal.gateway.admit import admit
 from portal.gateway.auth import Caller, api_key_from_authorization
 from portal.gateway.errors import GatewayError, tenant_suspended, unexpected
@@ -59,12 +60,14 @@ async def completion_stream(*, caller: Caller, endpoint: str, body: dict, reques
     ledger = Ledger(request_id=request_id, caller=caller, model=model,
                     stream=isinstance(body, dict) and body.get("stream") is True)
     streaming = False
+    observe.pipeline_started()
     try:
         if not caller.tenant.is_active:  # a key's tenant was checked at authentication; a session's here
             raise tenant_suspended(caller.tenant.slug)
         validation.validate(endpoint, body)
         target = await model_resolve(caller=caller, model=body["model"], request_id=request_id)
         ledger.model = target.public_id
+        observe.model_resolved(target.public_id)
         ledger.version = target.version
         ledger.estimated_prompt_tokens = validation.estimate_prompt_tokens(endpoint, body)
         ledger.admission = await admit(caller=caller, request_id=request_id, endpoint=endpoint, body=body)

@@ -30,3 +30,8 @@ class UsageConfig(AppConfig):
         # Joins the beat schedule from here (as portal.fleet does), merging with what other
         # apps added; `celery beat` runs Django's setup before it reads the schedule.
         app.conf.beat_schedule = {**(app.conf.beat_schedule or {}), **BEAT_SCHEDULE}
+        # /metrics reads the spool replay's totals (kept in Redis by whichever process replays).
+        from portal.core.metrics import LEDGER_WRITES
+        from portal.usage.spool import usage_spool_replay_totals
+
+        LEDGER_WRITES.replay_totals = usage_spool_replay_totals

@@ -17,6 +17,11 @@ on request_id, so a row written twice (a replay that crashed half-way, a write t
 after the database took it) is still one row. A row that cannot be written for a reason other
 than the database being unreachable (its tenant deleted meanwhile...) moves to the list `<spool key>:dead` /
 a `.dead` file and is logged at ERROR: kept for an operator, never retried forever.
+
+Metrics (portal.core.metrics, loraplex_ledger_writes_total{outcome}): each save counts as written
+or spooled in the web process; each replay adds what it wrote back and set aside to the Redis
+hash `<spool key>:replays` (fields replayed, dead), which /metrics reads: the replay runs in a
+Celery worker, which serves no /metrics.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
 
 from portal.adapters.models import AdapterVersion
+from portal.core.metrics import LEDGER_WRITES
 from portal.keys.models import ApiKey
 from portal.tenants.models import Tenant
 from portal.usage.services import usage_record_create
@@ -74,11 +80,13 @@ async def usage_record_save(fields: dict) -> str:
     while True:
         try:
             await sync_to_async(_create_and_release, thread_sensitive=False)(fields)
+            LEDGER_WRITES.count("written")
             return "written"
         except Exception as exc:  # noqa: BLE001 -- whatever it was, the row must survive it
             delay = next(delays, None)
             if delay is None or not isinstance(exc, TRANSIENT_ERRORS):
                 where = await sync_to_async(usage_spool_push, thread_sensitive=False)(fields)
+                LEDGER_WRITES.count("spooled")
                 log.error("usage row %s not written (%s: %s); spooled to %s", fields.get("request_id"),
                           type(exc).__name__, str(exc).strip()[:200], where)
                 return where
@@ -198,7 +206,38 @@ def usage_spool_replay(*, batch: int = REPLAY_BATCH) -> dict[str, int]:
     finally:
         if not connection.in_atomic_block:
             connection.close()  # a broken connection must not stay for the next task
+        _add_replay_totals(counts)
     return counts
+
+
+def _add_replay_totals(counts: dict[str, int]) -> None:
+    if not (counts["written"] or counts["dead"]):
+        return
+    client = _redis()
+    if client is None:
+        return  # no Redis: nothing to share the totals through (development)
+    try:
+        pipeline = client.pipeline(transaction=False)
+        pipeline.hincrby(spool_key(":replays"), "replayed", counts["written"])
+        pipeline.hincrby(spool_key(":replays"), "dead", counts["dead"])
+        pipeline.execute()
+    except redis.RedisError as exc:
+        log.warning("usage spool replay: its totals were not recorded (%s)", exc)
+    finally:
+        client.close()
+
+
+def usage_spool_replay_totals() -> dict[str, int] | None:
+    """Rows every replay so far wrote back ("replayed") and set aside ("dead"), for /metrics;
+    None without Redis. Raises redis.RedisError when Redis does not answer."""
+    client = _redis()
+    if client is None:
+        return None
+    try:
+        totals = client.hgetall(spool_key(":replays"))
+    finally:
+        client.close()
+    return {"replayed": int(totals.get(b"replayed", 0)), "dead": int(totals.get(b"dead", 0))}
 
 
 def _replay_redis(counts: dict[str, int], batch: int) -> None:

@@ -1,8 +1,8 @@
 """One upload validated by a real `celery worker` process over Redis (eager everywhere else).
 
 The worker reads the test database (committed rows: transactional_db) and the test's storage
-root, and consumes a queue of its own so that other suites sharing the Redis database are
-not disturbed."""
+root, and consumes a queue of its own (every task routed there, not to the `adapters` queue the
+settings route validation to) so that other suites sharing the Redis database are not disturbed."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def test_a_real_worker_validates_an_upload(transactional_db, tenant, member, sto
 
     monkeypatch.setattr("portal.adapters.selectors.base_shapes_current", lambda: SMOLLM2_135M)
     queue = f"adapters-test-{uuid.uuid4().hex[:8]}"
-    previous = app.conf.task_always_eager, app.conf.task_default_queue
-    app.conf.task_always_eager, app.conf.task_default_queue = False, queue
+    previous = {name: app.conf[name] for name in ("task_always_eager", "task_default_queue", "task_routes")}
+    # conf.update (not assignment) tells the router its routes changed.
+    app.conf.update(task_always_eager=False, task_default_queue=queue, task_routes={"*": {"queue": queue}})
     db = connection.settings_dict
     env = {
         **os.environ,
@@ -58,7 +59,7 @@ def test_a_real_worker_validates_an_upload(transactional_db, tenant, member, sto
                 break
             time.sleep(0.3)
     finally:
-        app.conf.task_always_eager, app.conf.task_default_queue = previous
+        app.conf.update(previous)
         proc.terminate()
         proc.wait(15)
     text = log.read_text()

@@ -16,6 +16,7 @@ from tests.portal.gateway.conftest import (
     wait_for_row,
     wait_until,
 )
+from tests.portal.gateway.metrics_scrape import scrape
 
 LONG = {"model": BASE, "messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 1000,
         "ignore_eos": True, "stream": True}
@@ -54,6 +55,8 @@ def test_worker_killed_mid_stream(acme, live, settings, throwaway_worker):
 
     settings.INFERENCE_URLS = [throwaway_worker.url]
     base_model_forget()
+    failed = {"tenant": "acme", "model": BASE, "code": "worker_failed"}
+    before = scrape(live.url)("loraplex_gateway_errors_total", **failed)
     stream = sdk(live, acme.key).chat.completions.create(**{k: v for k, v in LONG.items() if k != "ignore_eos"},
                                                          extra_body={"ignore_eos": True})
     request_id = stream.response.headers["x-request-id"]
@@ -67,6 +70,8 @@ def test_worker_killed_mid_stream(acme, live, settings, throwaway_worker):
     row = wait_for_row(request_id)
     assert "mid-stream" in row.error and not row.client_disconnected
     assert row.worker_url == throwaway_worker.url
+    # A 200 whose stream ended in an error event: counted as that error.
+    assert scrape(live.url)("loraplex_gateway_errors_total", **failed) == before + 1
 
 
 def test_a_dead_worker_first_in_line_is_skipped(acme, worker, live, settings):

@@ -32,7 +32,7 @@ def spool_settings(settings, tmp_path):
     yield settings
     if REDIS_URL:
         client = redis.Redis.from_url(REDIS_URL)
-        client.delete(*(settings.USAGE_SPOOL_KEY + suffix for suffix in ("", ":dead", ":lock")))
+        client.delete(*(settings.USAGE_SPOOL_KEY + suffix for suffix in ("", ":dead", ":lock", ":replays")))
         client.close()
 
 
@@ -132,6 +132,47 @@ def test_a_row_that_can_never_be_written_is_set_aside(spool_settings, tenant):
     dead = client.lrange(spool_settings.USAGE_SPOOL_KEY + ":dead", 0, -1)
     client.close()
     assert [json.loads(line)["request_id"] for line in dead] == [orphan["request_id"]]
+
+
+@pytest.mark.skipif(not REDIS_URL, reason="needs REDIS_URL")
+def test_replays_add_up_in_redis_for_the_web_processes_metrics(spool_settings, tenant):
+    from portal.core.metrics import LEDGER_WRITES
+
+    assert spool.usage_spool_replay_totals() == {"replayed": 0, "dead": 0}
+    gone = tenant_create(slug="gone", name="Gone")
+    for row in (fields(gone), fields(tenant), fields(tenant)):
+        spool.usage_spool_push(row)
+    gone.delete()
+
+    spool.usage_spool_replay()
+    spool.usage_spool_replay()  # nothing left: adds nothing
+    spool.usage_spool_push(fields(tenant))
+    spool.usage_spool_replay()
+
+    assert spool.usage_spool_replay_totals() == {"replayed": 3, "dead": 1}
+    [family] = LEDGER_WRITES.collect()
+    shared = {s.labels["outcome"]: s.value for s in family.samples if s.labels["outcome"] in ("replayed", "dead")}
+    assert shared == {"replayed": 3, "dead": 1}  # what the web's /metrics reads (portal.usage's AppConfig)
+    spool_settings.REDIS_URL = None
+    assert spool.usage_spool_replay_totals() is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_save_counts_as_written_or_spooled(spool_settings, monkeypatch):
+    from portal.core.metrics import LEDGER_WRITES
+
+    def counts() -> dict[str, float]:
+        [family] = LEDGER_WRITES.collect()
+        return {s.labels["outcome"]: s.value for s in family.samples if s.labels["outcome"] in ("written", "spooled")}
+
+    tenant = tenant_create(slug="acme", name="Acme")
+    before = counts()
+    asyncio.run(spool.usage_record_save(fields(tenant)))
+    monkeypatch.setattr(spool, "RETRY_DELAYS", ())
+    break_database(monkeypatch)
+    asyncio.run(spool.usage_record_save(fields(tenant)))
+
+    assert counts() == {"written": before["written"] + 1, "spooled": before["spooled"] + 1}
 
 
 def test_without_redis_a_row_goes_to_a_file_and_back(spool_settings, tenant):
