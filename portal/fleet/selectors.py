@@ -1,9 +1,13 @@
 """Reads on the fleet: where to send a request, and the fleet's base model.
 
-Routing (route_candidates) is adapter affinity with bounded load over rendezvous hashing:
+Routing (route_candidates) is adapter affinity with bounded load over rendezvous hashing. A
+worker's load is what the last poll read (running + waiting) corrected by this process's own
+requests since (worker_load); the bound is relative, c x the fleet's mean load (load_bound:
+consistent hashing with bounded loads), never under LOAD_FLOOR and never over `max_load`.
 
-1. healthy enabled workers where the adapter is resident (RESIDENT_TIERS) and whose load
-   (running + waiting at the last poll) is under `max_load`, least loaded first;
+1. healthy enabled workers under the bound where the adapter is resident (RESIDENT_TIERS),
+   those holding it in a device slot first, then in host memory, then loading; least loaded
+   first within each;
 2. every other worker under the bound, in rendezvous order of (lora_name or "base", url):
    score = sha256(key + url), highest first. Each adapter has its own stable order over
    the fleet, so a cold adapter keeps landing on the same worker (which then holds it), and
@@ -17,6 +21,7 @@ The gateway tries the list in order, moving on when a worker fails before the fi
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -24,11 +29,17 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db.models import F
 
-from portal.fleet.models import RESIDENT_TIERS, InferenceWorker, normalize_worker_url
+from portal.fleet.inflight import InflightSnapshot
+from portal.fleet.models import RESIDENT_TIERS, WORKER_STATES, InferenceWorker, normalize_worker_url
 
-# Requests (running + waiting) above which a worker stops attracting its resident adapters'
-# traffic: settings.FLEET_MAX_LOAD (64 by default; the engine's default batch is 128 sequences).
 BASE_KEY = "base"
+# The relative bound is never below this: with few requests in flight (3 over 16 workers: the
+# bound would be 1) one more on the worker already holding the adapter costs a batch slot, while
+# the next worker in line would load the adapter cold, evicting one of its own.
+LOAD_FLOOR = 8
+# Where a worker holds the adapter, best first: in a device slot (nothing to do), in host memory
+# (copied into a slot, evicting another adapter the worker serves), still loading.
+RESIDENT_PREFERENCE = {"device": 0, "host": 1, "loading": 2}
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,7 @@ def route_candidates(*, lora_name: str | None, max_load: int | None = None,
         max_load = settings.FLEET_MAX_LOAD
     workers = list(InferenceWorker.objects.filter(enabled=True, healthy=True))
     if workers:
-        return rank_workers(workers, lora_name=lora_name, max_load=max_load, inflight=inflight or {})
+        return rank_workers(workers, lora_name=lora_name, max_load=max_load, inflight=inflight)
     disabled = set(InferenceWorker.objects.filter(enabled=False).values_list("url", flat=True))
     urls = [url for url in (normalize_worker_url(u) for u in settings.INFERENCE_URLS) if url not in disabled]
     key = lora_name or BASE_KEY
@@ -57,29 +68,61 @@ def route_candidates(*, lora_name: str | None, max_load: int | None = None,
 
 
 def rank_workers(workers: Iterable[InferenceWorker], *, lora_name: str | None, max_load: int,
-                 inflight: Mapping[str, int] | None = None) -> list[WorkerTarget]:
+                 inflight: Mapping[str, int] | None = None, load_factor: float | None = None) -> list[WorkerTarget]:
     """The routing order over these rows (already filtered to healthy and enabled). Pure.
 
-    inflight: {url: requests the caller itself has in flight there} (portal.fleet.inflight); a
-    worker's load is the larger of that and its polled load, which may be seconds old."""
+    inflight: what the caller itself has in flight on each worker (portal.fleet.inflight; see
+    worker_load). load_factor: c in the relative bound (load_bound), settings.FLEET_LOAD_FACTOR
+    by default; max_load caps it (settings.FLEET_MAX_LOAD)."""
     workers = list(workers)
-    inflight = inflight or {}
-    load = {w.url: max(w.load, inflight.get(w.url, 0)) for w in workers}
+    if load_factor is None:
+        load_factor = settings.FLEET_LOAD_FACTOR
+    load = {w.url: worker_load(w, inflight if inflight is not None else {}) for w in workers}
+    bound = load_bound(load.values(), load_factor=load_factor, max_load=max_load)
     key = lora_name or BASE_KEY
     scored = [(rendezvous_score(key, w.url), w) for w in workers]
     by_hash = [w for _, w in sorted(scored, key=lambda pair: pair[0], reverse=True)]
     rank = {w.url: i for i, w in enumerate(by_hash)}
 
-    def resident(w: InferenceWorker) -> bool:
-        return lora_name is not None and (w.resident_adapters or {}).get(lora_name) in RESIDENT_TIERS
+    def tier(w: InferenceWorker) -> int | None:  # RESIDENT_PREFERENCE; None: not resident
+        found = (w.resident_adapters or {}).get(lora_name) if lora_name is not None else None
+        return RESIDENT_PREFERENCE.get(found, len(RESIDENT_PREFERENCE)) if found in RESIDENT_TIERS else None
 
-    affine = sorted((w for w in by_hash if resident(w) and load[w.url] < max_load),
-                    key=lambda w: (load[w.url], rank[w.url]))
+    under = [w for w in by_hash if load[w.url] < bound]
+    # Device tier first. Least loaded first among all holders, a hot adapter went to whichever
+    # holder had it only in host memory, evicting that worker's own adapters from their slots:
+    # 78-81% device hits where the hot set fits the slots, 91-92% device first (bench/fleet_sim.py).
+    affine = sorted((w for w in under if tier(w) is not None), key=lambda w: (tier(w), load[w.url], rank[w.url]))
     chosen = {w.url for w in affine}
-    spill = [w for w in by_hash if w.url not in chosen and load[w.url] < max_load]
-    overloaded = [w for w in by_hash if w.url not in chosen and load[w.url] >= max_load]
+    spill = [w for w in under if w.url not in chosen]
+    overloaded = [w for w in by_hash if load[w.url] >= bound]
     return [WorkerTarget(url=w.url, name=w.name or w.url.split("://", 1)[1], id=w.pk)
             for w in (*affine, *spill, *overloaded)]
+
+
+def worker_load(worker: InferenceWorker, inflight: Mapping[str, int]) -> int:
+    """Requests on the worker now, as far as this process can tell: its polled load (running +
+    waiting, up to a poll interval old) plus the change in this process's own count since that
+    poll (InflightSnapshot.change_since), never less than the own count. With a plain mapping
+    of own counts, or a poll older than the snapshot remembers: the larger of the two."""
+    own = inflight.get(worker.url, 0)
+    change = None
+    if isinstance(inflight, InflightSnapshot) and worker.last_polled_at is not None:
+        change = inflight.change_since(worker.url, worker.last_polled_at.timestamp())
+    if change is None:
+        return max(worker.load, own)
+    return max(worker.load + change, own)
+
+
+def load_bound(loads: Iterable[int], *, load_factor: float, max_load: int) -> int:
+    """Requests in flight at or above which a worker is passed by: consistent hashing with
+    bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018), ceil(c * (total + 1) / n), c times the
+    fleet's mean load once this request is placed. While c >= 1 some worker is always under it,
+    and the one that takes the request is then at most at it, however hot one adapter is.
+    Never under LOAD_FLOOR, never over max_load (FLEET_MAX_LOAD, the hard cap)."""
+    loads = list(loads)
+    relative = math.ceil(load_factor * (sum(loads) + 1) / max(len(loads), 1))
+    return min(max(relative, LOAD_FLOOR), max_load)
 
 
 def rendezvous_score(key: str, url: str) -> bytes:
@@ -116,3 +159,12 @@ def base_model_config() -> dict | None:
 def worker_list() -> list[InferenceWorker]:
     """Every worker row, for dashboards."""
     return list(InferenceWorker.objects.order_by("url"))
+
+
+def worker_state_counts() -> dict[str, int]:
+    """Workers by state (InferenceWorker.state: healthy, unhealthy, mismatched, gone, disabled),
+    for /metrics."""
+    counts = dict.fromkeys(WORKER_STATES, 0)
+    for worker in InferenceWorker.objects.only("enabled", "healthy", "gone_since", "last_error"):
+        counts[worker.state] += 1
+    return counts
