@@ -117,7 +117,12 @@ def _start_web(env: dict, port: int, log: Path) -> WebProcess:
 
 
 def _start_celery(env: dict, tmp: Path) -> tuple[subprocess.Popen, Path]:
-    """The Celery worker with embedded beat; no -Q: it consumes every queue the app declares."""
+    """The Celery worker with embedded beat; no -Q: it consumes every queue the app declares.
+    The queues are emptied first: earlier tests in this session (gateway tests with REDIS_URL
+    set, where nothing consumes) may have left tasks for rows and workers long gone."""
+    from portal.celery import app
+
+    app.control.purge()
     log = tmp / "celery.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
