@@ -77,6 +77,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | float = 1 << 30  # bytes, or a fraction of free memory
     enable_chunked_prefill: bool = True
+    # Reuse the KV of full blocks a request shares with an earlier one (same tokens, adapter id
+    # and cache_salt) instead of recomputing it; vLLM's automatic prefix caching.
+    enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     # Multi-LoRA: device slots (adapters in one step at most; 0 disables LoRA), host-tier
@@ -130,7 +133,7 @@ class EngineConfig:
                 values[f.name] = raw
             elif f.name == "kv_cache_memory":
                 values[f.name] = parse_memory(var, raw)
-            elif f.name in ("enable_chunked_prefill", "strict_base_match"):
+            elif f.name in ("enable_chunked_prefill", "enable_prefix_caching", "strict_base_match"):
                 values[f.name] = _parse_bool(var, raw)
             else:
                 values[f.name] = _parse_int(var, raw, minimum=0 if f.name in ("seed", "max_loras") else 1)

@@ -265,6 +265,15 @@ class BaseModelInfo:
 _SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
 
 
+# -- completions: prefix-cache isolation ----------------------------------------------------------
+# The worker reuses cached prompt KV only between requests with the same `cache_salt` (vLLM's field,
+# on chat and completions; a string of 1..CACHE_SALT_MAX characters). The gateway sets it to the
+# tenant's identity, so that one tenant cannot learn another's prompts by timing cache hits, and
+# refuses a caller-supplied one (400, param cache_salt).
+CACHE_SALT = "cache_salt"
+CACHE_SALT_MAX = 256
+
+
 # -- completions: the OpenAI parameters the worker refuses ----------------------------------------
 # Not implemented yet (tools and structured output come with the structured-output issue; the others
 # need modalities or logit processing the engine lacks). Each is refused with a 400 naming it (code

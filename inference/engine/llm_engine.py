@@ -14,6 +14,11 @@ scheduler admits it once the adapter holds a device slot (loading from disk happ
 background thread, so the step loop never waits on it), and each step's tokens carry their
 slot into the model's projections, which add that adapter's delta per token. Base-only and
 adapter requests share every step.
+
+Prefix caching (block_manager.py): a request's full blocks are keyed by their tokens, its
+adapter's immutable id and its `cache_salt`; the scheduler starts it after the longest cached
+prefix, so a repeated system prompt or an earlier turn of a conversation is not recomputed.
+An adapter that leaves the adapter cache takes its cached blocks with it (`_schedule`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import re
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,6 +79,14 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens of finished prefills (recomputes not double-counted)
     generation_tokens: int = 0
+    # Prefix cache, in tokens, per adapter name ("" = the base model): tokens of admitted
+    # requests looked up, and those found cached (vLLM's prefix_cache_queries / _hits).
+    prefix_cache_queries: dict[str, int] = field(default_factory=dict)
+    prefix_cache_hits: dict[str, int] = field(default_factory=dict)
+
+    def count_prefix_lookup(self, adapter: str, num_tokens: int, num_cached: int) -> None:
+        self.prefix_cache_queries[adapter] = self.prefix_cache_queries.get(adapter, 0) + num_tokens
+        self.prefix_cache_hits[adapter] = self.prefix_cache_hits.get(adapter, 0) + num_cached
 
 
 def kv_cache_num_blocks(config: EngineConfig, model_config, dtype: torch.dtype) -> int:
@@ -127,7 +140,9 @@ class LLMEngine:
             block_size=config.block_size, num_kv_heads=self.model_config.num_key_value_heads,
             head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device,
         )  # fmt: skip
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.adapters: AdapterManager | None = None  # None: LoRA disabled (max_loras = 0)
         if config.max_loras > 0:
             self.adapters = AdapterManager(
@@ -176,13 +191,17 @@ class LLMEngine:
         tenant: str | None = None,
         weight: float = 1.0,
         lora: str | LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError naming the field,
         AdapterNotFoundError for an unregistered adapter name.
 
         lora: a registered adapter's name, or a LoRARequest(name, path) registered on first use
         (loaded in the background while the request waits; a failed load finishes the request
-        with finish_reason "error")."""
+        with finish_reason "error").
+
+        cache_salt: requests share cached prompt KV only with requests of the same salt (the
+        gateway gives each tenant its own); None is one salt of its own."""
         params = params or SamplingParams()
         prompt_ids = self._prompt_token_ids(prompt, messages)
         if len(prompt_ids) >= self.max_model_len:
@@ -197,6 +216,8 @@ class LLMEngine:
             raise ValueError(f"weight: must be a number > 0, got {weight!r}")
         if lora is not None and self.adapters is None:
             raise ValueError("lora: LoRA is disabled on this engine (max_loras is 0)")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -204,6 +225,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             tenant=tenant,
             weight=weight,
+            cache_salt=cache_salt,
         )
         generator = make_generator(params.seed, self.device) if params.seed is not None else None
         stop_ids = set(params.stop_token_ids)
@@ -280,10 +302,17 @@ class LLMEngine:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """Apply the adapter work other threads queued (between forwards), then decide the step."""
+        """Apply the adapter work other threads queued (between forwards), then decide the step.
+        Cached KV of adapters that were unloaded meanwhile is forgotten (it can never be hit)."""
         if self.adapters is not None:
             self.adapters.begin_step()
-        return self.scheduler.schedule()
+            self.block_manager.retain_adapters(self.adapters.known_ids())
+        decision = self.scheduler.schedule()
+        if self.block_manager.enable_prefix_caching:
+            for seq in decision.admitted:  # their computed tokens so far are the cached ones
+                adapter = seq.adapter.name if seq.adapter is not None else ""
+                self.stats.count_prefix_lookup(adapter, seq.num_tokens, seq.num_computed_tokens)
+        return decision
 
     def _wait_for_adapter_loads(self) -> None:
         """Nothing could run: when only requests for loading adapters wait, block briefly on
@@ -375,7 +404,9 @@ class LLMEngine:
             delta_token_ids=new_ids,
             finished=finished,
             finish_reason=str(seq.finish_reason) if finished else None,
-            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens),
+            usage=Usage(
+                seq.num_prompt_tokens, seq.num_output_tokens, min(seq.num_cached_tokens, seq.num_prompt_tokens)
+            ),
             delta_logprobs=new_logprobs,
             time_to_first_token=(state.first_token_time - seq.arrival_time) if state.first_token_time else None,
             latency=(now - seq.arrival_time) if finished else None,

@@ -17,6 +17,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
     @property
     def total_tokens(self) -> int:

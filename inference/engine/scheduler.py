@@ -9,7 +9,8 @@ Plain Python over `Sequence` objects and a `BlockManager`; no tensors. One step:
         allocate, schedule (seq, n)
     if nothing was preempted:
         for seq in waiting, in the queue's order, while seats (max_num_seqs) and budget:
-            n = min(prompt tokens left, budget)              # chunked prefill
+            share the longest cached prefix of its tokens (same adapter id and cache salt)
+            n = min(tokens left after that prefix, budget)   # chunked prefill
             stop at the first sequence whose blocks don't fit (no overtaking for KV)
             finish a sequence whose adapter failed to load (FinishReason.ERROR), alone
             skip a sequence whose adapter has no device slot yet (it is loading, or every
@@ -18,8 +19,9 @@ Plain Python over `Sequence` objects and a `BlockManager`; no tensors. One step:
 
 A preempted sequence loses its KV and its slot reference and goes back to the *front* of
 the waiting queue; when readmitted it recomputes prompt + output so far, so its output is
-unchanged. Since every running sequence holds a reference on its adapter's slot, one step
-never runs more distinct adapters than there are slots.
+unchanged (its own full blocks, still in the prefix cache unless evicted meanwhile, make the
+recompute cheap). Since every running sequence holds a reference on its adapter's slot, one
+step never runs more distinct adapters than there are slots.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from inference.engine.block_manager import BlockManager
+from inference.engine.block_manager import BlockManager, PrefixKey
 from inference.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -69,6 +71,10 @@ class AdapterSlots(Protocol):
         """A sequence bound to the adapter is finished for good."""
         ...
 
+    def cache_id(self, adapter: Any) -> str | None:
+        """The adapter's immutable id, which keys its KV in the prefix cache; None until loaded."""
+        ...
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:
@@ -86,6 +92,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # finished with FinishReason.ERROR
+    admitted: list[Sequence] = field(default_factory=list)  # left the waiting queue this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -219,22 +226,46 @@ class Scheduler:
             for seq in self.waiting:  # the queue's iterator tolerates remove() while iterating
                 if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
-                n = seq.num_uncomputed_tokens
+                cached = self._cached_prefix(seq)
+                n = seq.num_uncomputed_tokens - len(cached) * self.block_manager.block_size
                 if n > budget:
                     if not self.config.enable_chunked_prefill:
                         break
                     n = budget
-                if not self.block_manager.can_allocate(seq, n):
+                if not self.block_manager.can_allocate(seq, n, cached):
                     break
                 if seq.adapter is not None and not self._acquire_slot(seq, out):
                     continue
                 self.waiting.remove(seq)
-                self.block_manager.allocate(seq, n)
+                self.block_manager.allocate(seq, n, cached)
+                if not seq.num_preemptions:  # a readmission finding its own blocks is no prompt hit
+                    seq.num_cached_tokens = seq.num_computed_tokens
+                self._set_prefix_key(seq)  # its adapter may have finished loading just now
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))
+                out.admitted.append(seq)
                 budget -= n
         return out
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` may share: same tokens, same adapter id, same cache salt."""
+        self._set_prefix_key(seq)
+        return self.block_manager.find_cached(seq)
+
+    def _set_prefix_key(self, seq: Sequence) -> None:
+        """Key `seq`'s KV blocks once its adapter's id is known (until then it neither looks up
+        nor registers blocks; it cannot be admitted before its adapter loaded anyway)."""
+        if seq.prefix_key is not None:
+            return
+        adapter_id = None
+        if seq.adapter is not None:
+            if self.adapters is None:
+                return
+            adapter_id = self.adapters.cache_id(seq.adapter)
+            if adapter_id is None:
+                return
+        seq.prefix_key = PrefixKey(adapter_id, seq.cache_salt)
 
     def _acquire_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """True when `seq` now holds a slot for its adapter; a failed adapter finishes it."""
@@ -269,8 +300,10 @@ class Scheduler:
         self.waiting.push_front(seq)
 
     def on_step_done(self, scheduled: list[ScheduledSeq]) -> None:
-        """Mark the scheduled tokens as computed (their KV is now in the cache) and charge them
-        to the admission policy (fair queuing counts the service each tenant received)."""
+        """Mark the scheduled tokens as computed (their KV is now in the cache; full blocks join
+        the prefix cache) and charge them to the admission policy (fair queuing counts the
+        service each tenant received)."""
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_computed(s.seq)
             self.waiting.charge(s.seq, s.num_new_tokens)

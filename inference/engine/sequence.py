@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from inference.engine.block_manager import PrefixKey
     from inference.engine.sampling_params import SamplingParams
 
 
@@ -43,6 +44,9 @@ class Sequence:
     # Tenant fairness hooks (the inference server sets these; FCFS ignores them).
     tenant: str | None = None
     weight: float = 1.0
+    # Prefix caching: requests with different salts never share cached KV (the gateway sets
+    # one per tenant); None is a salt of its own, shared by every request without one.
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -53,6 +57,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Prefix caching (block_manager.py): the key the scheduler sets at admission, the hash
+    # chain of the full blocks so far, how many leading blocks of block_table are in the cache,
+    # and how many prompt tokens the first admission found cached (skipped, not computed).
+    prefix_key: PrefixKey | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = 0
     # Engine-owned extras (generator, detokenizer, text state, timings).
     state: Any = None
 

@@ -272,6 +272,15 @@ class AdapterManager:
         """Drop one reference on `slot` (its request was preempted or finished)."""
         self.cache.release(slot)
 
+    def cache_id(self, record: AdapterRecord) -> str | None:
+        """The immutable id that keys `record`'s KV in the prefix cache; None until loaded."""
+        return record.id
+
+    def known_ids(self) -> set[str]:
+        """Ids of every adapter the cache still holds or can reload (their cached KV stays valid)."""
+        with self._lock:
+            return set(self.cache.entries)
+
     def begin_step(self) -> None:
         """Apply what other threads asked for that touches slots (step thread, between forwards)."""
         while self._on_step_thread:

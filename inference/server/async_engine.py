@@ -49,6 +49,9 @@ class EngineSnapshot:
     generation_tokens: int = 0
     running_adapters: tuple[str, ...] = ()  # adapter name of each running request that has one
     waiting_adapters: tuple[str, ...] = ()
+    # Prefix cache, in tokens, per adapter name ("" = the base model): looked up, found cached.
+    prefix_cache_queries: tuple[tuple[str, int], ...] = ()
+    prefix_cache_hits: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -290,6 +293,8 @@ class AsyncEngine:
             generation_tokens=stats.generation_tokens,
             running_adapters=tuple(_adapter_name(s) for s in scheduler.running if s.adapter is not None),
             waiting_adapters=tuple(_adapter_name(s) for s in scheduler.waiting if s.adapter is not None),
+            prefix_cache_queries=tuple(stats.prefix_cache_queries.items()),
+            prefix_cache_hits=tuple(stats.prefix_cache_hits.items()),
         )
 
 

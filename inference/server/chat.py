@@ -73,6 +73,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     def events(out: RequestOutput) -> list[str]:
         choice = choices[out.request_id]
         choice.prompt_tokens = out.usage.prompt_tokens
+        choice.cached_tokens = out.usage.cached_tokens
         choice.token_ids = out.token_ids
         lines = []
         if not choice.sent_role:  # OpenAI's first chunk of a choice carries only the role

@@ -34,6 +34,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step")
     p.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
     p.add_argument("--kv-cache-memory", help="KV cache: bytes ('512MiB', '2GiB') or a fraction of free memory")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of prompt prefixes seen before, per adapter and cache_salt "
+                        "(default on; env INFERENCE_ENABLE_PREFIX_CACHING)")
     p.add_argument("--max-loras", type=int, help="adapters resident on the device at once")
     p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
     p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted")
@@ -71,7 +74,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {
         "model": args.model, "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-        "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_memory": args.kv_cache_memory, "enable_prefix_caching": args.enable_prefix_caching,
     }
     # The adapter fields only when given, so the flags stay optional on any engine version.
     for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):

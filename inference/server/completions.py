@@ -96,6 +96,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     def events(out: RequestOutput) -> list[str]:
         choice = choices[out.request_id]
         choice.prompt_tokens = out.usage.prompt_tokens
+        choice.cached_tokens = out.usage.cached_tokens
         choice.token_ids = out.token_ids
         if not (out.delta_text or out.delta_logprobs or out.finished):
             return []

@@ -93,6 +93,7 @@ class _EngineCollector:
         yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", snap.prompt_tokens)
         yield counter("vllm:generation_tokens", "Generated tokens.", snap.generation_tokens)
         yield counter("loraplex:engine_steps", "Engine steps run.", snap.num_steps)
+        yield from _prefix_cache(model, snap)
 
         llm = engine.engine
         if llm is None:
@@ -145,6 +146,33 @@ class _EngineCollector:
         for kind, n in llm.memory_stats().items():
             memory.add_metric([kind], float(n))
         yield memory
+
+
+def _prefix_cache(model: str, snap):
+    """vLLM's prefix-cache counters (tokens of admitted requests looked up / found cached), and
+    the same per adapter ('' = base) with the hit rate since start."""
+    queries, hits = dict(snap.prefix_cache_queries), dict(snap.prefix_cache_hits)
+    for name, doc, values in (
+        ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
+        ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", hits),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model], float(sum(values.values())))
+        yield family
+    per_queries = CounterMetricFamily("loraplex:adapter_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache, per adapter ('' = base).",
+                                      labels=["adapter"])
+    per_hits = CounterMetricFamily("loraplex:adapter_prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache, per adapter ('' = base).",
+                                   labels=["adapter"])
+    rate = GaugeMetricFamily("loraplex:adapter_prefix_cache_hit_rate",
+                             "Prefix-cache hits / queries (tokens) since start, per adapter ('' = base).",
+                             labels=["adapter"])
+    for adapter, n in sorted(queries.items()):
+        per_queries.add_metric([adapter], float(n))
+        per_hits.add_metric([adapter], float(hits.get(adapter, 0)))
+        rate.add_metric([adapter], hits.get(adapter, 0) / n if n else 0.0)
+    yield from (per_queries, per_hits, rate)
 
 
 def _histogram(name: str, doc: str, values: list[float], buckets: tuple[float, ...]) -> HistogramMetricFamily:

@@ -13,7 +13,8 @@ The adapter routes' bodies (LoadLoraAdapterRequest, UnloadAdapterRequest) have e
 of protocol.worker_api's shared bodies, checked at import.
 
 Extra fields, documented for the gateway: `tenant` (who pays for the tokens; the fair scheduler
-shares the worker between tenants) and `tenant_weight` (> 0, that tenant's share). vLLM's
+shares the worker between tenants), `tenant_weight` (> 0, that tenant's share) and vLLM's
+`cache_salt` (requests share cached prompt KV only with requests of the same salt). vLLM's
 sampling extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids`
 are accepted too.
 """
@@ -92,6 +93,9 @@ class _Sampling(_Body):
     # fair scheduling (set by the gateway)
     tenant: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     tenant_weight: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    # prefix caching: only requests with the same salt share cached KV (vLLM's field; the gateway
+    # sets it per tenant and refuses one from its callers)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=worker_api.CACHE_SALT_MAX)] | None = None
 
 
 class ChatCompletionRequest(_Sampling):

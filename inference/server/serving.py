@@ -43,6 +43,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, served from the prefix cache
     sent_role: bool = False
 
 
@@ -133,6 +134,7 @@ class Serving:
                 choice.text = out.text
                 choice.token_ids = out.token_ids
                 choice.prompt_tokens = out.usage.prompt_tokens
+                choice.cached_tokens = out.usage.cached_tokens
                 if out.delta_logprobs:
                     choice.logprobs.extend(out.delta_logprobs)
                 if out.finished:
@@ -187,10 +189,17 @@ def draining_error(message: str) -> APIError:
 
 
 def usage(choices: dict[str, Choice]) -> dict:
-    """OpenAI's usage object: a prompt is billed once however many choices were sampled from it."""
+    """OpenAI's usage object: a prompt is billed once however many choices were sampled from it;
+    prompt_tokens_details.cached_tokens: how many of its tokens the prefix cache served (the
+    first choice's count)."""
     prompt = sum({c.prompt_index: c.prompt_tokens for c in choices.values()}.values())
+    first: dict[int, Choice] = {}
+    for c in sorted(choices.values(), key=lambda c: c.index):
+        first.setdefault(c.prompt_index, c)
+    cached = sum(c.cached_tokens for c in first.values())
     completion = sum(len(c.token_ids) for c in choices.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def raise_if_error(out: RequestOutput) -> None:
@@ -235,7 +244,7 @@ def now() -> int:
 
 
 def engine_kwargs(body: _Sampling, adapter_name: str | None) -> dict:
-    kwargs: dict = {"tenant": body.tenant}
+    kwargs: dict = {"tenant": body.tenant, "cache_salt": body.cache_salt}
     if body.tenant_weight is not None:
         kwargs["weight"] = body.tenant_weight
     if adapter_name is not None:

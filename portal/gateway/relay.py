@@ -1,7 +1,8 @@
 """Getting a request to a worker and its answer back to the client.
 
     worker_payload   the client's body as the worker gets it: the worker's model name, the tenant
-                     and its scheduling weight, the usage chunk always asked for when streaming
+                     and its scheduling weight, its cache_salt (prefix-cache isolation), the usage
+                     chunk always asked for when streaming
     open_upstream    the routing order (portal.fleet.selectors.route_candidates), tried in turn:
                      a connection failure, 5xx, 404, 408 or 429 moves on to the next worker; an
                      adapter the worker does not hold is loaded there (lazy load) and asked again
@@ -56,6 +57,8 @@ STREAM_START_GRACE = 30.0
 def worker_payload(*, caller: Caller, body: dict, target: ModelTarget, stream: bool) -> dict:
     payload = dict(body, model=target.worker_model, tenant=caller.tenant.slug,
                    tenant_weight=plan_for(caller.tenant.plan).scheduling_weight)
+    # One prefix-cache namespace per tenant (its never-reused primary key, not its slug).
+    payload[worker_api.CACHE_SALT] = f"tenant-{caller.tenant.pk}"
     if stream:  # the ledger needs the worker's count; the client sees the usage chunk only if it asked
         payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return payload

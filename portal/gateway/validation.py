@@ -16,6 +16,7 @@ from typing import Any
 from django.conf import settings
 
 from portal.gateway.errors import GatewayError
+from protocol.worker_api import CACHE_SALT
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -25,8 +26,9 @@ MAX_CHOICES = 128  # the worker's bound on n × prompts
 MAX_OUTPUT_TOKENS = 2**31 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
-# Fields only the gateway may set (the worker's fair scheduler trusts them).
-GATEWAY_FIELDS = ("tenant", "tenant_weight")
+# Fields only the gateway may set: the worker's fair scheduler trusts the tenant, and its prefix
+# cache shares KV only within one cache_salt (the tenant's), so no caller can time another's hits.
+GATEWAY_FIELDS = ("tenant", "tenant_weight", CACHE_SALT)
 
 
 def max_body_bytes() -> int:

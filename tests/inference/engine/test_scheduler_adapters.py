@@ -40,6 +40,9 @@ class FakeSlots:
     def unbind(self, name: str) -> None:
         self.unbound.append(name)
 
+    def cache_id(self, name: str) -> str | None:
+        return f"id-{name}" if name in self.ready else None
+
 
 def make_seq(rid: str, n_prompt: int, adapter: str | None = None) -> Sequence:
     seq = Sequence(request_id=rid, prompt_token_ids=[1] * n_prompt, params=None, max_model_len=4096)

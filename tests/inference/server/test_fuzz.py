@@ -22,7 +22,7 @@ ODD_VALUES = [None, True, False, 0, -1, 1, 2, 3, 21, 129, 10**20, -(10**20), 0.0
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
                "stop", "stream", "stream_options", "logprobs", "top_logprobs", "presence_penalty",
                "frequency_penalty", "user", "tenant", "tenant_weight", "top_k", "min_p", "repetition_penalty",
-               "ignore_eos", "stop_token_ids", "tools", "tool_choice", "response_format", "logit_bias"]
+               "ignore_eos", "stop_token_ids", "tools", "tool_choice", "response_format", "logit_bias", "cache_salt"]
 COMPLETION_FIELDS = ["prompt", "logprobs", "echo", "suffix", "best_of", *CHAT_FIELDS[2:]]
 
 

@@ -25,7 +25,7 @@ json_values = st.recursive(
 )
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
           "temperature", "top_p", "stop", "seed", "logprobs", "top_logprobs", "tenant", "tenant_weight", "user",
-          "tools", "tool_choice", "response_format", "logit_bias", "functions"]
+          "tools", "tool_choice", "response_format", "logit_bias", "functions", "cache_salt"]
 ODD = st.sampled_from([None, True, 0, -1, 1, 2, 129, 10**20, 2**63, 2**64 + 1, 0.5, "", "x", "🦙", "\x00",
                        "\ud800", f"{BASE}\x00", "a\udfffb", [], [1], ["a"], [[1, 2]], {},
                        {"type": "json_object"}, {"type": "text"}, [{"type": "function"}], {"50256": -100},

@@ -70,3 +70,23 @@ def test_the_allow_list_limits_the_models(live):
     assert info.value.body["message"] == not_found_message(BASE)
     row = UsageRecord.objects.get(request_id=info.value.response.headers["x-request-id"])
     assert row.status_code == 404 and row.prompt_tokens == row.completion_tokens == 0
+
+
+def test_tenants_never_hit_each_others_prefix_cache_and_cannot_pick_a_salt(live):
+    acme, globex = make_caller("acme"), make_caller("globex")
+    long_chat = {"messages": [{"role": "user", "content": "Repeat after me: " + "one two three four " * 30}],
+                 "max_tokens": 1, "temperature": 0}
+
+    def cached_tokens(caller) -> int:
+        usage = sdk(live, caller.key).chat.completions.create(model=BASE, **long_chat).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    first = cached_tokens(acme)
+    assert cached_tokens(acme) > first  # the same tenant's repeat is served from the cache
+    assert cached_tokens(globex) == 0  # the same prompt from another tenant is computed afresh
+    for endpoint, body in (("chat/completions", {**CHAT, "model": BASE}),
+                           ("completions", {"prompt": "Hi", "max_tokens": 2, "model": BASE})):
+        response = httpx.post(f"{live.url}/v1/{endpoint}", json={**body, "cache_salt": "acme"},
+                              headers={"Authorization": f"Bearer {globex.key}"}, timeout=60)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "cache_salt"
