@@ -61,6 +61,7 @@ def fleet_overview() -> dict:
             "memory": memory,
             "memory_other": {k: v for k, v in (worker.memory or {}).items() if k not in MEMORY_KINDS},
             "cache": cache_rates(worker.cache_stats),
+            "prefix_cache": prefix_rates(worker.cache_stats),
         })
         totals["workers"] += 1
         if worker.enabled and worker.healthy:
@@ -73,6 +74,7 @@ def fleet_overview() -> dict:
                 totals["memory"][kind] += memory[kind] or 0
             fleet_counters.append(worker.cache_stats or {})
     totals["cache"] = cache_rates(_sum_counters(fleet_counters))
+    totals["prefix_cache"] = prefix_rates(_sum_counters(fleet_counters))
     discovery = [{"spec": d.spec, "addresses": d.addresses, "error": d.last_error, "resolved_at": _iso(d.resolved_at),
                   "last_ok_at": _iso(d.last_ok_at)} for d in WorkerDiscovery.objects.order_by("spec")]
     return {"workers": workers, "totals": totals, "discovery": discovery}
@@ -100,6 +102,16 @@ def cache_rates(counters: dict | None) -> dict | None:
         "loads": int(counters.get("loads") or 0), "load_failures": int(counters.get("load_failures") or 0),
         "evictions": {tier: int((counters.get("evictions") or {}).get(tier, 0)) for tier in ("device", "host")},
     }
+
+
+def prefix_rates(counters: dict | None) -> dict | None:
+    """The KV prefix cache since the worker started, in prompt tokens: looked up, found (not
+    computed again) and their ratio; None before any prompt was looked up."""
+    queries = int((counters or {}).get("prefix_queries") or 0)
+    if not queries:
+        return None
+    hits = min(int(counters.get("prefix_hits") or 0), queries)
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries}
 
 
 def _sum_counters(many: list[dict]) -> dict:

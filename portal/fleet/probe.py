@@ -28,6 +28,9 @@ CACHE_COUNTERS = {
     "loraplex:lora_cache_misses": "misses",
     "loraplex:lora_cache_loads": "loads",
     "loraplex:lora_cache_load_failures": "load_failures",
+    # The KV prefix cache, in prompt tokens (looked up / found): the fleet page's prefix hit rate.
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:prefix_cache_hits": "prefix_hits",
 }
 PER_TIER = ("hits", "evictions")
 

@@ -54,7 +54,7 @@ def seeded(db):
         memory={"base_weights": 269_000_000, "kv_cache": 67_108_864, "adapter_slots": 4_194_304,
                 "host_adapters": 2_097_152, "process_resident_memory_bytes": 1_500_000_000},
         cache_stats={"hits": {"device": 90, "host": 10}, "misses": 4, "loads": 4, "load_failures": 1,
-                     "evictions": {"device": 6, "host": 1}},
+                     "evictions": {"device": 6, "host": 1}, "prefix_queries": 4000, "prefix_hits": 3000},
         last_seen_at=now)
     InferenceWorker.objects.create(url="http://w2:8001", healthy=False, last_error="GET /ready: ConnectError")
     return {"acme": acme, "globex": globex, "version": v1}
@@ -104,6 +104,11 @@ def test_fleet_json(client, staff, seeded):
                            "evictions": {"device": 6, "host": 1}}
     assert w2["cache"] is None
     assert totals["cache"] == w1["cache"]  # the unhealthy worker's (empty) counters add nothing
+    assert w1["prefix_cache"] == {"queries": 4000, "hits": 3000, "hit_rate": 0.75} and w2["prefix_cache"] is None
+    assert totals["prefix_cache"] == w1["prefix_cache"]
+    html = client.get("/dashboards/").content.decode()
+    assert "<strong>75%</strong> of 4000 prompt tokens found cached" in html
+    assert "prefix cache 75% of 4000 prompt tokens" in html
 
 
 def test_fleet_cache_totals_add_up_healthy_workers_and_show_on_the_page(client, staff, db):

@@ -70,6 +70,12 @@ loraplex:lora_cache_loads_total 5.0
 # HELP loraplex:lora_cache_load_failures_total Adapter loads that failed.
 # TYPE loraplex:lora_cache_load_failures_total counter
 loraplex:lora_cache_load_failures_total 0.0
+# HELP vllm:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{model_name="smollm2"} 4000.0
+# HELP vllm:prefix_cache_hits_total Prompt tokens found in the prefix cache (not computed).
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{model_name="smollm2"} 3000.0
 # HELP loraplex:memory_bytes Memory by use (bytes).
 # TYPE loraplex:memory_bytes gauge
 loraplex:memory_bytes{kind="base_weights"} 2.69e+08

@@ -34,7 +34,8 @@ def test_a_healthy_worker_records_load_kv_memory_base_model_and_adapter_tiers(fa
         assert w.memory == {"base_weights": 269_000_000, "kv_cache": 67_108_864, "adapter_slots": 4_194_304,
                             "host_adapters": 2_097_152, "process_resident_memory_bytes": 1_500_000_000}
         assert w.cache_stats == {"hits": {"device": 40, "host": 7}, "evictions": {"device": 3, "host": 0},
-                                 "misses": 2, "loads": 5, "load_failures": 0}
+                                 "misses": 2, "loads": 5, "load_failures": 0,
+                                 "prefix_queries": 4000, "prefix_hits": 3000}
         assert w.last_seen_at is not None and w.last_polled_at == w.last_seen_at
     assert stored.has_resident("lora-a") and stored.has_resident("lora-b") and not stored.has_resident("lora-c")
     assert w.base_config["hidden_size"] == 576 and w.base_config["max_lora_rank"] == 16
