@@ -50,36 +50,40 @@ class WorkerTarget:
 
 
 def route_candidates(*, lora_name: str | None, max_load: int | None = None,
-                     inflight: Mapping[str, int] | None = None) -> list[WorkerTarget]:
+                     inflight: Mapping[str, int] | None = None, prefix_key: str | None = None) -> list[WorkerTarget]:
     """Workers to try for a request for `lora_name` (the worker-side adapter name, or None for
     the base model), best first. When no row is healthy (fresh start, nothing polled yet, or
     every poll failing) it falls back to settings.INFERENCE_URLS, minus workers disabled in
-    the admin, in rendezvous order. An empty list means there is nowhere to send it."""
+    the admin, in rendezvous order. An empty list means there is nowhere to send it.
+    prefix_key: what the prompt starts with, hashed (see rank_workers)."""
     if max_load is None:
         max_load = settings.FLEET_MAX_LOAD
     workers = list(InferenceWorker.objects.filter(enabled=True, healthy=True))
     if workers:
-        return rank_workers(workers, lora_name=lora_name, max_load=max_load, inflight=inflight)
+        return rank_workers(workers, lora_name=lora_name, max_load=max_load, inflight=inflight,
+                            prefix_key=prefix_key)
     disabled = set(InferenceWorker.objects.filter(enabled=False).values_list("url", flat=True))
     urls = [url for url in (normalize_worker_url(u) for u in settings.INFERENCE_URLS) if url not in disabled]
-    key = lora_name or BASE_KEY
+    key = routing_key(lora_name, prefix_key)
     return [WorkerTarget(url=url, name=url.split("://", 1)[1], id=None)
             for url in sorted(urls, key=lambda url: rendezvous_score(key, url), reverse=True)]
 
 
 def rank_workers(workers: Iterable[InferenceWorker], *, lora_name: str | None, max_load: int,
-                 inflight: Mapping[str, int] | None = None, load_factor: float | None = None) -> list[WorkerTarget]:
+                 inflight: Mapping[str, int] | None = None, load_factor: float | None = None,
+                 prefix_key: str | None = None) -> list[WorkerTarget]:
     """The routing order over these rows (already filtered to healthy and enabled). Pure.
 
     inflight: what the caller itself has in flight on each worker (portal.fleet.inflight; see
     worker_load). load_factor: c in the relative bound (load_bound), settings.FLEET_LOAD_FACTOR
-    by default; max_load caps it (settings.FLEET_MAX_LOAD)."""
+    by default; max_load caps it (settings.FLEET_MAX_LOAD). prefix_key: a hash of how the
+    prompt starts (routing_key)."""
     workers = list(workers)
     if load_factor is None:
         load_factor = settings.FLEET_LOAD_FACTOR
     load = {w.url: worker_load(w, inflight if inflight is not None else {}) for w in workers}
     bound = load_bound(load.values(), load_factor=load_factor, max_load=max_load)
-    key = lora_name or BASE_KEY
+    key = routing_key(lora_name, prefix_key)
     scored = [(rendezvous_score(key, w.url), w) for w in workers]
     by_hash = [w for _, w in sorted(scored, key=lambda pair: pair[0], reverse=True)]
     rank = {w.url: i for i, w in enumerate(by_hash)}
@@ -98,6 +102,17 @@ def rank_workers(workers: Iterable[InferenceWorker], *, lora_name: str | None, m
     overloaded = [w for w in by_hash if load[w.url] >= bound]
     return [WorkerTarget(url=w.url, name=w.name or w.url.split("://", 1)[1], id=w.pk)
             for w in (*affine, *spill, *overloaded)]
+
+
+def routing_key(lora_name: str | None, prefix_key: str | None) -> str:
+    """The rendezvous key. An adapter's requests follow the adapter (its holders, then one stable
+    order for the cold case). A base-model request follows its prompt's start (its first message:
+    the system prompt, the same on every turn of a conversation) so each conversation and each
+    shared system prompt keeps finding its KV in one worker's prefix cache, while different ones
+    spread over the fleet instead of all queueing for the one worker "base" hashes to."""
+    if lora_name is not None:
+        return lora_name
+    return f"{BASE_KEY}:{prefix_key}" if prefix_key else BASE_KEY
 
 
 def worker_load(worker: InferenceWorker, inflight: Mapping[str, int]) -> int:

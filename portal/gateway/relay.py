@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -54,14 +55,47 @@ WORKER_PATHS = {validation.CHAT: worker_api.CHAT_COMPLETIONS, validation.COMPLET
 STREAM_START_GRACE = 30.0
 
 
+def tenant_cache_salt(tenant) -> str:
+    """One prefix-cache namespace per tenant (its never-reused primary key, not its slug)."""
+    return f"tenant-{tenant.pk}"
+
+
 def worker_payload(*, caller: Caller, body: dict, target: ModelTarget, stream: bool) -> dict:
     payload = dict(body, model=target.worker_model, tenant=caller.tenant.slug,
                    tenant_weight=plan_for(caller.tenant.plan).scheduling_weight)
-    # One prefix-cache namespace per tenant (its never-reused primary key, not its slug).
-    payload[worker_api.CACHE_SALT] = f"tenant-{caller.tenant.pk}"
+    payload[worker_api.CACHE_SALT] = tenant_cache_salt(caller.tenant)
     if stream:  # the ledger needs the worker's count; the client sees the usage chunk only if it asked
         payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return payload
+
+
+# How much of a prompt's start routing hashes: enough to tell system prompts apart, bounded so a
+# long prompt costs nothing extra.
+PREFIX_KEY_CHARS = 4096
+
+
+def prompt_prefix_key(payload: dict) -> str | None:
+    """sha256 of the cache salt (the tenant) and the prompt's start: a chat's first message (the
+    system prompt, the same on every turn), a completion prompt's first PREFIX_KEY_CHARS; None
+    when there is none (routing then falls back to the model alone)."""
+    start = None
+    messages = payload.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        first = messages[0]
+        content = first.get("content")
+        if isinstance(content, list):  # content parts: their text, in order
+            content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if isinstance(content, str):
+            start = f"{first.get('role')}\n{content}"
+    else:
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        start = prompt if isinstance(prompt, str) else None
+    if not start:
+        return None
+    salt = str(payload.get(worker_api.CACHE_SALT) or "")
+    return hashlib.sha256(f"{salt}\0{start[:PREFIX_KEY_CHARS]}".encode()).hexdigest()[:32]
 
 
 def _scrub(text: Any, target: ModelTarget) -> Any:
@@ -106,7 +140,8 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
     """The first worker's accepted completion (a CompletionStream, body unread), trying the
     candidates in order; 503 no_worker_available when none takes it."""
     lora_name = target.version.worker_name if target.version is not None else None
-    candidates = await db_sync_to_async(route_candidates)(lora_name=lora_name, inflight=inflight_snapshot())
+    candidates = await db_sync_to_async(route_candidates)(lora_name=lora_name, inflight=inflight_snapshot(),
+                                                          prefix_key=prompt_prefix_key(payload))
     if not candidates:
         raise no_worker("no inference worker is configured")
     content = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()

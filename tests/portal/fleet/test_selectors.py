@@ -86,6 +86,28 @@ def test_the_base_model_has_no_affinity():
     assert urls(rank_workers(fleet, lora_name=None, max_load=10)) == hash_order("base", fleet)
 
 
+def test_base_model_conversations_follow_their_prompt_start_and_spread_over_the_fleet():
+    fleet = [worker(i) for i in range(8)]
+    first = {key: urls(rank_workers(fleet, lora_name=None, max_load=10, prefix_key=key))[0]
+             for key in (f"system-prompt-{n}" for n in range(64))}
+
+    assert first["system-prompt-0"] == hash_order("base:system-prompt-0", fleet)[0]
+    assert urls(rank_workers(fleet, lora_name=None, max_load=10, prefix_key="system-prompt-0"))[0] == \
+        first["system-prompt-0"]  # the next turn of that conversation: the same worker, its KV cached
+    assert len(set(first.values())) >= 6  # 64 system prompts use the fleet, not one "base" worker
+    # An adapter's requests follow the adapter, whatever the prompt.
+    assert urls(rank_workers(fleet, lora_name="lora-a", max_load=10, prefix_key="system-prompt-0")) == \
+        hash_order("lora-a", fleet)
+
+
+def test_a_conversations_worker_is_passed_by_at_the_bound_like_any_other():
+    fleet = [worker(i) for i in range(4)]
+    home = hash_order("base:chat-1", fleet)[0]
+    busy = [worker(i, running=40 if f"http://w{i}:8001" == home else 0) for i in range(4)]
+
+    assert urls(rank_workers(busy, lora_name=None, max_load=64, prefix_key="chat-1"))[-1] == home
+
+
 def test_the_hard_cap_an_overloaded_holder_spills_to_the_rendezvous_order():
     fleet = [worker(i, running=9) for i in range(4)]  # busy enough that the relative bound is over 10
     holder = fleet[1]

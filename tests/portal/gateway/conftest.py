@@ -230,3 +230,14 @@ def start_production_web(worker, transactional_db, production_static, tmp_path):
     yield start
     for web in started:
         web.stop()
+
+
+def chat_prefix_key(tenant, messages: list[dict]) -> str:
+    """The prompt-start key the gateway routes this tenant's base-model chat by
+    (portal.gateway.relay.prompt_prefix_key; its rendezvous key is
+    portal.fleet.selectors.routing_key(None, this)): tests that need a worker first in line for a
+    chat pick its port by it."""
+    from portal.gateway.relay import prompt_prefix_key, tenant_cache_salt
+    from protocol.worker_api import CACHE_SALT
+
+    return prompt_prefix_key({"messages": messages, CACHE_SALT: tenant_cache_salt(tenant)})

@@ -8,12 +8,13 @@ import signal
 
 import pytest
 
-from portal.fleet.selectors import rendezvous_score, route_candidates
+from portal.fleet.selectors import rendezvous_score, route_candidates, routing_key
 from tests.inference.server import server_process
 from tests.portal.gateway.conftest import (
     ADMIN_TOKEN,
     BASE,
     WORKER_FLAGS,
+    chat_prefix_key,
     model_path,
     sdk,
     usage_rows,
@@ -27,11 +28,12 @@ STREAM = {"model": BASE, "messages": [{"role": "user", "content": "Tell me a sto
 
 
 @pytest.fixture
-def first_in_line(tmp_path_factory, worker, monkeypatch):
-    """A second worker on a port the base model's rendezvous order puts ahead of the session's,
-    with a grace long enough for a loaded 2-core box (it must exit long before it anyway)."""
+def first_in_line(tmp_path_factory, worker, acme, monkeypatch):
+    """A second worker on a port the rendezvous order of acme's story chat puts ahead of the
+    session's, with a grace long enough for a loaded 2-core box (it must exit long before it anyway)."""
+    key = routing_key(None, chat_prefix_key(acme.tenant, STREAM["messages"]))
     port = next(p for p in (server_process.free_port() for _ in range(200))
-                if rendezvous_score("base", f"http://127.0.0.1:{p}") > rendezvous_score("base", worker.url))
+                if rendezvous_score(key, f"http://127.0.0.1:{p}") > rendezvous_score(key, worker.url))
     monkeypatch.setattr(server_process, "free_port", lambda: port)
     proc = server_process.start_server(
         ["--model", str(model_path()), *WORKER_FLAGS, "--shutdown-grace-seconds", str(GRACE)],
@@ -46,7 +48,8 @@ def test_sigterm_drains_a_worker_without_a_client_seeing_an_error(acme, worker, 
 
     settings.INFERENCE_URLS = [worker.url, first_in_line.url]
     base_model_forget()
-    assert route_candidates(lora_name=None)[0].url == first_in_line.url
+    prefix = chat_prefix_key(acme.tenant, STREAM["messages"])
+    assert route_candidates(lora_name=None, prefix_key=prefix)[0].url == first_in_line.url
 
     streams = [SseStream(f"{live.url}/v1/chat/completions", STREAM, {"authorization": f"Bearer {acme.key}"}) for _ in range(8)]
     for s in streams:
@@ -60,8 +63,8 @@ def test_sigterm_drains_a_worker_without_a_client_seeing_an_error(acme, worker, 
     client = sdk(live, acme.key)
 
     def ask() -> None:
-        raw = client.chat.completions.with_raw_response.create(
-            model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        raw = client.chat.completions.with_raw_response.create(  # the same chat: the same first worker
+            model=BASE, messages=STREAM["messages"], max_tokens=4)
         assert raw.status_code == 200 and raw.parse().choices[0].message.content is not None
 
     for _ in range(2):

@@ -7,9 +7,10 @@ import httpx
 import openai
 import pytest
 
-from portal.fleet.selectors import rendezvous_score
+from portal.fleet.selectors import rendezvous_score, routing_key
 from tests.portal.gateway.conftest import (
     BASE,
+    chat_prefix_key,
     free_port,
     sdk,
     start_worker,
@@ -75,8 +76,9 @@ def test_worker_killed_mid_stream(acme, live, settings, throwaway_worker):
 
 
 def test_a_dead_worker_first_in_line_is_skipped(acme, worker, live, settings):
+    key = routing_key(None, chat_prefix_key(acme.tenant, [{"role": "user", "content": "Hi"}]))
     dead = next(url for url in (f"http://127.0.0.1:{free_port()}" for _ in range(100))
-                if rendezvous_score("base", url) > rendezvous_score("base", worker.url))
+                if rendezvous_score(key, url) > rendezvous_score(key, worker.url))
     settings.INFERENCE_URLS = [dead, worker.url]
     raw = sdk(live, acme.key).chat.completions.with_raw_response.create(
         model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
