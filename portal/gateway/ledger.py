@@ -53,6 +53,7 @@ class Ledger:
     first_chunk_at: float | None = None
     prompt_tokens: int | None = None  # None until the worker reported usage
     completion_tokens: int | None = None
+    cached_prompt_tokens: int = 0  # of prompt_tokens, found in the worker's prefix cache
     relayed_tokens: int = 0  # content chunks relayed: the count if the usage never arrives
     finish_reason: str = ""
     error: str = ""
@@ -60,6 +61,13 @@ class Ledger:
     client_disconnected: bool = False
     _closed: bool = False
     _counted: bool = False  # in portal.fleet.inflight for worker_url until the ledger closes
+
+    def read_usage(self, usage: dict) -> None:
+        """The worker's usage object (OpenAI's shape): its token counts, as it counted them."""
+        self.prompt_tokens = _count(usage.get("prompt_tokens"))
+        self.completion_tokens = _count(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        self.cached_prompt_tokens = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
 
     def count_in_flight(self) -> None:
         """The worker at worker_url accepted the request: it counts in routing's load until close."""
@@ -104,6 +112,7 @@ class Ledger:
             stream=self.stream,
             prompt_tokens=prompt,
             completion_tokens=completion,
+            cached_prompt_tokens=min(self.cached_prompt_tokens, prompt),
             time_to_first_token_ms=(
                 (self.first_chunk_at - self.started) * 1000 if self.first_chunk_at is not None else None),
             latency_ms=(now - self.started) * 1000,
@@ -115,3 +124,8 @@ class Ledger:
             finished_at=timezone.now(),
         )
         await usage_record_save(fields)  # retried, else spooled: never dropped
+
+
+def _count(value) -> int:
+    """A token count from a worker's JSON: a non-negative int, anything else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

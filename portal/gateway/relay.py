@@ -216,9 +216,7 @@ class Completion:
         ledger.first_chunk_at = time.monotonic()
         if isinstance(answer, dict):
             answer["model"] = self.model
-            usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
-            ledger.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            ledger.completion_tokens = int(usage.get("completion_tokens") or 0)
+            ledger.read_usage(answer.get("usage") if isinstance(answer.get("usage"), dict) else {})
             choices = answer.get("choices") or [{}]
             ledger.finish_reason = str((choices[0] or {}).get("finish_reason") or "")
         self.json = answer
@@ -290,8 +288,7 @@ class Completion:
             ledger.first_chunk_at = time.monotonic()
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            ledger.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            ledger.completion_tokens = int(usage.get("completion_tokens") or 0)
+            ledger.read_usage(usage)
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
                 continue

@@ -24,6 +24,7 @@ class UsageRecordAdmin(ReadOnlyAdmin):
         "model",
         "prompt_tokens",
         "completion_tokens",
+        "cached_prompt_tokens",
         "time_to_first_token_ms",
         "latency_ms",
         "status_code",

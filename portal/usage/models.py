@@ -39,6 +39,9 @@ class UsageRecord(models.Model):
     stream = models.BooleanField(default=False)
     prompt_tokens = models.PositiveIntegerField(default=0)  # as the worker counted them
     completion_tokens = models.PositiveIntegerField(default=0)
+    # Of prompt_tokens, those the worker found in its prefix cache (its
+    # usage.prompt_tokens_details.cached_tokens): not computed again, the basis of a cheaper rate.
+    cached_prompt_tokens = models.PositiveIntegerField(default=0)
     time_to_first_token_ms = models.FloatField(null=True, blank=True)
     latency_ms = models.FloatField(default=0.0)
     finish_reason = models.CharField(max_length=FINISH_REASON_MAX_LENGTH, blank=True)

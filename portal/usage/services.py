@@ -48,6 +48,7 @@ def usage_record_create(
     stream: bool = False,
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
+    cached_prompt_tokens: int = 0,
     time_to_first_token_ms: float | None = None,
     latency_ms: float = 0.0,
     finish_reason: str | None = "",
@@ -69,9 +70,12 @@ def usage_record_create(
         raise InvalidInput("request_id", "must be a non-empty string")
     if len(request_id) > REQUEST_ID_MAX_LENGTH:
         raise InvalidInput("request_id", f"longer than {REQUEST_ID_MAX_LENGTH} characters")
-    for field, value in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
+    for field, value in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens),
+                         ("cached_prompt_tokens", cached_prompt_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidInput(field, f"must be a non-negative integer, got {value!r}")
+    if cached_prompt_tokens > prompt_tokens:
+        raise InvalidInput("cached_prompt_tokens", f"{cached_prompt_tokens} is more than prompt_tokens ({prompt_tokens})")
     if api_key is not None and api_key.tenant_id != tenant.pk:
         raise InvalidInput("api_key", f"belongs to another tenant than {tenant}")
     now = timezone.now()
@@ -91,6 +95,7 @@ def usage_record_create(
         stream=stream,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
+        cached_prompt_tokens=cached_prompt_tokens,
         time_to_first_token_ms=time_to_first_token_ms,
         latency_ms=latency_ms,
         finish_reason=storable_text(finish_reason, FINISH_REASON_MAX_LENGTH),

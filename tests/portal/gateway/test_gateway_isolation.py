@@ -8,7 +8,7 @@ import openai
 import pytest
 from django.utils import timezone
 
-from tests.portal.gateway.conftest import BASE, make_caller, sdk
+from tests.portal.gateway.conftest import BASE, make_caller, sdk, wait_for_row
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
@@ -78,7 +78,12 @@ def test_tenants_never_hit_each_others_prefix_cache_and_cannot_pick_a_salt(live)
                  "max_tokens": 1, "temperature": 0}
 
     def cached_tokens(caller) -> int:
-        usage = sdk(live, caller.key).chat.completions.create(model=BASE, **long_chat).usage
+        raw = sdk(live, caller.key).chat.completions.with_raw_response.create(model=BASE, **long_chat)
+        usage = raw.parse().usage
+        # The ledger keeps what the client was told: the basis of a cached-token rate.
+        row = wait_for_row(raw.headers["x-request-id"])
+        assert (row.prompt_tokens, row.cached_prompt_tokens) == (usage.prompt_tokens,
+                                                                 usage.prompt_tokens_details.cached_tokens)
         return usage.prompt_tokens_details.cached_tokens
 
     first = cached_tokens(acme)

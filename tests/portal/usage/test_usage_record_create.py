@@ -74,6 +74,8 @@ def test_an_overlong_model_id_is_cut_and_missing_texts_are_blank(tenant):
         ({"request_id": "r" * 201}, "request_id"),
         ({"prompt_tokens": -1}, "prompt_tokens"),
         ({"completion_tokens": 1.5}, "completion_tokens"),
+        ({"cached_prompt_tokens": -3}, "cached_prompt_tokens"),
+        ({"prompt_tokens": 10, "cached_prompt_tokens": 11}, "cached_prompt_tokens"),
         ({"created_at": datetime(2025, 1, 1)}, "created_at"),
     ],
 )
