@@ -32,9 +32,12 @@ def tiny_base(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def staging_calls(monkeypatch):
+def staging_calls(request, monkeypatch):
     """Staging to workers recorded instead of sent (these tests have no workers). The real
-    module stays importable (the Celery tasks and deployments import it); only its two entry points are replaced."""
+    module stays importable (the Celery tasks and deployments import it); only its two entry points are replaced.
+    Modules marked `real_staging` stage over real HTTP to stand-in workers instead (None here)."""
+    if request.node.get_closest_marker("real_staging"):
+        return None
     from portal.adapters import staging
 
     calls = {"stage": [], "unstage": []}

@@ -17,16 +17,10 @@ from portal.usage.models import UsageRecord
 from tests.portal.adapters.test_staging import make_version
 from tests.portal.adapters.test_staging_fakes import FakeWorker
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.real_staging]
 
 NOW = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
 _ids = itertools.count()
-
-
-@pytest.fixture(autouse=True)
-def staging_calls():
-    """Overrides the lifecycle conftest's stand-in: these tests use the real staging module."""
-    return None
 
 
 @pytest.fixture(autouse=True)

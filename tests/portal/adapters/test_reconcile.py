@@ -21,13 +21,7 @@ from portal.tenants.services import tenant_create
 from tests.portal.adapters.test_staging import make_version
 from tests.portal.adapters.test_staging_fakes import FakeWorker
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def staging_calls():
-    """Overrides the lifecycle conftest's stand-in: these tests use the real staging module."""
-    return None
+pytestmark = [pytest.mark.django_db, pytest.mark.real_staging]
 
 
 @pytest.fixture(autouse=True)

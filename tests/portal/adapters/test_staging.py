@@ -26,10 +26,7 @@ CONFIG = b'{"peft_type": "LORA", "r": 4}'
 WEIGHTS = bytes(range(256)) * 300  # bigger than one streamed chunk
 
 
-@pytest.fixture(autouse=True)
-def staging_calls():
-    """Overrides the lifecycle conftest's stand-in: these tests use the real staging module."""
-    return None
+pytestmark = pytest.mark.real_staging
 
 
 @pytest.fixture(autouse=True)

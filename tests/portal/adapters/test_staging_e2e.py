@@ -21,11 +21,7 @@ TOKEN = "e2e-fleet-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TARGETS = ("q_proj", "v_proj", "down_proj")
 
-
-@pytest.fixture(autouse=True)
-def staging_calls():
-    """Overrides the lifecycle conftest's stand-in: the real staging module."""
-    return None
+pytestmark = pytest.mark.real_staging
 
 
 @pytest.fixture(autouse=True)
