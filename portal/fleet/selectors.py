@@ -96,7 +96,14 @@ def rank_workers(workers: Iterable[InferenceWorker], *, lora_name: str | None, m
     # Device tier first. Least loaded first among all holders, a hot adapter went to whichever
     # holder had it only in host memory, evicting that worker's own adapters from their slots:
     # 78-81% device hits where the hot set fits the slots, 91-92% device first (bench/fleet_sim.py).
-    affine = sorted((w for w in under if tier(w) is not None), key=lambda w: (tier(w), load[w.url], rank[w.url]))
+    if lora_name is not None and prefix_key:
+        # A conversation (or a shared system prompt) of this adapter keeps to one holder in each
+        # tier, where its KV is in the prefix cache; load counts only through the bound.
+        rank = {w.url: i for i, w in enumerate(sorted(
+            workers, key=lambda w: rendezvous_score(f"{lora_name}:{prefix_key}", w.url), reverse=True))}
+        affine = sorted((w for w in under if tier(w) is not None), key=lambda w: (tier(w), rank[w.url]))
+    else:
+        affine = sorted((w for w in under if tier(w) is not None), key=lambda w: (tier(w), load[w.url], rank[w.url]))
     chosen = {w.url for w in affine}
     spill = [w for w in under if w.url not in chosen]
     overloaded = [w for w in by_hash if load[w.url] >= bound]
@@ -106,7 +113,8 @@ def rank_workers(workers: Iterable[InferenceWorker], *, lora_name: str | None, m
 
 def routing_key(lora_name: str | None, prefix_key: str | None) -> str:
     """The rendezvous key. An adapter's requests follow the adapter (its holders, then one stable
-    order for the cold case). A base-model request follows its prompt's start (its first message:
+    order for the cold case, so it loads on one worker); among its holders, one conversation keeps
+    to one (rank_workers). A base-model request follows its prompt's start (its first message:
     the system prompt, the same on every turn of a conversation) so each conversation and each
     shared system prompt keeps finding its KV in one worker's prefix cache, while different ones
     spread over the fleet instead of all queueing for the one worker "base" hashes to."""

@@ -70,6 +70,7 @@ WEB_HOST = "127.0.0.2"
 WORKER_HOSTS = ("127.0.0.3", "127.0.0.4")
 SLUG, ADAPTER = "fleetco", "support-bot"
 MODEL = f"{SLUG}/{ADAPTER}"
+PROMPT = "Hello"
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 POLL_SECONDS = 10  # portal.fleet.tasks.POLL_EVERY_SECONDS: beat's fleet poll
 # After a restarted worker is ready: up to one poll interval until beat's poll notices it came
@@ -303,7 +304,7 @@ def _fetches(platform: Platform, version: dict) -> int:
 def _complete(client: openai.OpenAI) -> str:
     """One completion through the gateway (no retries): must be a 200; returns the worker URL
     the ledger says served it."""
-    raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=4)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=4)
     assert raw.status_code == 200
     completion = raw.parse()
     assert completion.model == MODEL and completion.choices[0].text is not None
@@ -335,10 +336,16 @@ def _poll_just_ran(within: float = POLL_SECONDS / 3) -> None:
 
 
 def _first_in_line(name: str) -> str:
-    """The worker the gateway tries first for the adapter now (the same rows, the same code)."""
+    """The worker the gateway tries first for _complete's request now (the same rows, the same
+    code: the adapter, and the prompt's start under the tenant's cache salt)."""
     from portal.fleet.selectors import route_candidates
+    from portal.gateway.relay import prompt_prefix_key, tenant_cache_salt
+    from portal.tenants.models import Tenant
+    from protocol.worker_api import CACHE_SALT
 
-    return route_candidates(lora_name=name)[0].url
+    salt = tenant_cache_salt(Tenant.objects.get(slug=SLUG))
+    prefix = prompt_prefix_key({"prompt": PROMPT, CACHE_SALT: salt})
+    return route_candidates(lora_name=name, prefix_key=prefix)[0].url
 
 
 def test_an_upload_is_staged_on_both_workers_each_fetching_it_itself(platform, deployed):

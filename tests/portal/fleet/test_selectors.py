@@ -100,6 +100,25 @@ def test_base_model_conversations_follow_their_prompt_start_and_spread_over_the_
         hash_order("lora-a", fleet)
 
 
+def test_an_adapters_conversation_keeps_to_one_of_its_holders_within_the_bound():
+    holders = {f"http://w{i}:8001" for i in range(4)}
+    fleet = [worker(i, running=i, adapters={"lora-a": "device"} if i < 4 else {}) for i in range(6)]
+
+    chosen = {key: urls(rank_workers(fleet, lora_name="lora-a", max_load=64, prefix_key=key))[0]
+              for key in (f"chat-{n}" for n in range(40))}
+
+    assert set(chosen.values()) == holders  # conversations spread over the holders, not the least loaded
+    assert chosen["chat-7"] == sorted(holders, key=lambda u: hashlib.sha256(f"lora-a:chat-7{u}".encode()).hexdigest(),
+                                      reverse=True)[0]
+    assert urls(rank_workers(fleet, lora_name="lora-a", max_load=64, prefix_key="chat-7"))[0] == chosen["chat-7"]
+    # Its holder at the bound: the conversation moves to another holder, never to a cold worker first.
+    hot = int(chosen["chat-7"].split("w")[1].split(":")[0])
+    loaded = [worker(i, running=40 if i == hot else 0, adapters={"lora-a": "device"} if i < 4 else {})
+              for i in range(6)]
+    ranked = urls(rank_workers(loaded, lora_name="lora-a", max_load=64, prefix_key="chat-7"))
+    assert ranked[0] in holders - {chosen["chat-7"]} and ranked[-1] == chosen["chat-7"]
+
+
 def test_a_conversations_worker_is_passed_by_at_the_bound_like_any_other():
     fleet = [worker(i) for i in range(4)]
     home = hash_order("base:chat-1", fleet)[0]
