@@ -144,6 +144,7 @@ class LLMEngine:
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.adapters: AdapterManager | None = None  # None: LoRA disabled (max_loras = 0)
+        self._retained_at_removals = 0  # adapters.removals when the prefix cache last dropped theirs
         if config.max_loras > 0:
             self.adapters = AdapterManager(
                 self.model,
@@ -306,7 +307,9 @@ class LLMEngine:
         Cached KV of adapters that were unloaded meanwhile is forgotten (it can never be hit)."""
         if self.adapters is not None:
             self.adapters.begin_step()
-            self.block_manager.retain_adapters(self.adapters.known_ids())
+            if self.adapters.removals != self._retained_at_removals:  # not every step: only after an unload
+                self._retained_at_removals = self.adapters.removals
+                self.block_manager.retain_adapters(self.adapters.known_ids())
         decision = self.scheduler.schedule()
         if self.block_manager.enable_prefix_caching:
             for seq in decision.admitted:  # their computed tokens so far are the cached ones

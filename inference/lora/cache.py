@@ -101,6 +101,9 @@ class AdapterCache:
         self._clock = clock
         self._lock = threading.RLock()
         self.entries: dict[str, AdapterEntry] = {}
+        # Bumped by every remove(): readers that mirror `entries` (the prefix cache's blocks per
+        # adapter) re-check only when it moved, not on every engine step.
+        self.removals = 0
         self.host: OrderedDict[str, CachedAdapter] = OrderedDict()  # LRU: oldest first
         self.slots: list[str | None] = [None] * max_loras
         self.slot_refs: list[int] = [0] * max_loras
@@ -283,6 +286,7 @@ class AdapterCache:
                 self.slots[slot] = None
             self.host.pop(adapter_id, None)
             self.entries.pop(adapter_id, None)
+            self.removals += 1
 
     # -- reporting ---------------------------------------------------------------------
     def describe(self) -> list[dict]:

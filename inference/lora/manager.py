@@ -281,6 +281,11 @@ class AdapterManager:
         with self._lock:
             return set(self.cache.entries)
 
+    @property
+    def removals(self) -> int:
+        """How many adapters the cache has forgotten so far (known_ids shrank at most this often)."""
+        return self.cache.removals
+
     def begin_step(self) -> None:
         """Apply what other threads asked for that touches slots (step thread, between forwards)."""
         while self._on_step_thread:
