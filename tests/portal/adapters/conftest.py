@@ -32,11 +32,14 @@ def tiny_base(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def staging_calls(request, monkeypatch):
+def staging_calls(request, monkeypatch, settings):
     """Staging to workers recorded instead of sent (these tests have no workers). The real
     module stays importable (the Celery tasks and deployments import it); only its two entry points are replaced.
-    Modules marked `real_staging` stage over real HTTP to stand-in workers instead (None here)."""
+    Modules marked `real_staging` stage over real HTTP to the stand-in workers they make instead
+    (None here): no fleet token and no worker from settings unless the module sets its own."""
     if request.node.get_closest_marker("real_staging"):
+        settings.INFERENCE_ADMIN_TOKEN = None
+        settings.INFERENCE_URLS = []
         return None
     from portal.adapters import staging
 

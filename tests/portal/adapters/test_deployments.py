@@ -22,12 +22,6 @@ from tests.portal.adapters.test_staging_fakes import FakeWorker
 pytestmark = [pytest.mark.django_db, pytest.mark.real_staging]
 
 
-@pytest.fixture(autouse=True)
-def fleet_settings(settings):
-    settings.INFERENCE_ADMIN_TOKEN = None
-    settings.INFERENCE_URLS = []
-
-
 @pytest.fixture
 def versions(tenant):
     """acme/bot v1..v4 ready, v5 rejected."""

@@ -23,12 +23,6 @@ NOW = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
 _ids = itertools.count()
 
 
-@pytest.fixture(autouse=True)
-def fleet_settings(settings):
-    settings.INFERENCE_ADMIN_TOKEN = None
-    settings.INFERENCE_URLS = []
-
-
 def used(version, at: datetime, n: int = 1) -> None:
     for _ in range(n):
         UsageRecord.objects.create(request_id=f"r{next(_ids)}", tenant=version.adapter.tenant,
