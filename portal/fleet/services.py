@@ -39,6 +39,10 @@ from portal.fleet.signals import fleet_polled
 logger = logging.getLogger(__name__)
 
 MAX_PARALLEL_PROBES = 16
+# What a row says of a worker that is not serving (unreachable, mismatched, gone): no load, no
+# residency, no counters (base_model is kept: the last one known).
+NOTHING_KNOWN = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "resident_adapters": {}, "memory": {},
+                 "cache_stats": {}}
 # A discovered worker gone from its name's answer this long is a pod that will not come back
 # (a new pod has a new address): its row goes, so rolling restarts do not pile up rows.
 FORGET_GONE_AFTER = timedelta(hours=1)
@@ -124,7 +128,7 @@ def _mark_gone(rows, *, reason: str, now: datetime) -> None:
         return
     rows.filter(url__in=leaving).update(
         gone_since=now, healthy=False, last_error=f"gone: {reason} at {now:%Y-%m-%d %H:%M:%S} UTC; not routed",
-        num_running=0, num_waiting=0, kv_cache_usage=0.0, resident_adapters={}, cache_stats={}, updated_at=now)
+        **NOTHING_KNOWN, updated_at=now)
     logger.info("fleet: workers gone (%s): %s", reason, ", ".join(leaving))
 
 
@@ -218,12 +222,7 @@ def _record(*, worker: InferenceWorker, probe: Probe, now: datetime) -> Inferenc
             **({"base_model": probe.base_model} if probe.base_model else {}),
             "healthy": False,
             "last_error": probe.error,
-            "num_running": 0,
-            "num_waiting": 0,
-            "kv_cache_usage": 0.0,
-            "resident_adapters": {},
-            "memory": {},
-            "cache_stats": {},
+            **NOTHING_KNOWN,
         }
     if worker.healthy != probe.healthy or (not probe.healthy and worker.last_error != probe.error):
         log = logger.info if probe.healthy else logger.warning
