@@ -8,6 +8,7 @@
         print(delta.delta_text, end="")
     llm.generate(prompts, params, lora=LoRARequest("pirate", "adapters/pirate"))  # a LoRA adapter
     llm.generate(prompts, params, lora=["pirate", None])  # one adapter (or None: base) per prompt
+    llm.generate(prompt, SamplingParams(structured_output=StructuredOutput.json_schema(schema)))
 
 All prompts of one call run together through continuous batching.
 """
@@ -93,6 +94,9 @@ class LLM:
             lora = [lora] * len(requests)
         if len(lora) != len(requests):
             raise ValueError(f"lora: {len(lora)} adapters for {len(requests)} prompts")
+        for p in params:  # compile here, so a bad schema raises StructuredOutputError at once
+            if p is not None and p.structured_output is not None:
+                self.engine.grammars.compile(p.structured_output)
         ids: list[str] = []
         try:
             for request, p, adapter in zip(requests, params, lora, strict=True):

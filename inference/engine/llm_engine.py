@@ -19,6 +19,18 @@ Prefix caching (block_manager.py): a request's full blocks are keyed by their to
 adapter's immutable id and its `cache_salt`; the scheduler starts it after the longest cached
 prefix, so a repeated system prompt or an earlier turn of a conversation is not recomputed.
 An adapter that leaves the adapter cache takes its cached blocks with it (`_schedule`).
+
+Structured output (structured_output.py): a request with `params.structured_output` needs its
+grammar compiled (in the grammar cache's thread pool, never on this thread). One whose grammar
+is already compiled (a cache hit, e.g. after the server's pre-check) joins the scheduler at
+once; otherwise it waits in `_compiling`, outside the scheduler, and joins on the first step
+after its compile finished, while the others keep running. Errors: add_request raises
+StructuredOutputError (a ValueError) when the grammar is already known to be bad; a compile
+that fails later finishes the request with finish_reason "error" and the message in `error`.
+Each step the constrained rows' matchers fill one bitmask for the sampler; after sampling each
+matcher consumes its token, and a grammar that is complete finishes the request ("stop"). A
+matcher advances only when a token is sampled, i.e. once per output token: a preempted
+sequence recomputes its KV without sampling, so its matcher is never advanced twice.
 """
 
 from __future__ import annotations
@@ -29,9 +41,11 @@ import os
 import re
 import time
 from collections.abc import Sequence as Seq
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,11 +55,13 @@ from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.fair_queue import FairQueue
 from inference.engine.model_runner import ModelRunner
 from inference.engine.outputs import RequestOutput, TokenLogprob, Usage
+from inference.engine.prompt_logprobs import score_prompt_tokens
 from inference.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from inference.engine.sampling_params import SamplingParams
-from inference.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from inference.engine.sequence import FinishReason, Sequence
+from inference.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from inference.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inference.engine.stop_checker import StopChecker
+from inference.engine.structured_output import GrammarCache, matcher_error
 from inference.layers.attention import allocate_kv_cache
 from inference.lora.cache import CacheStats
 from inference.lora.manager import AdapterInfo, AdapterManager
@@ -68,7 +84,12 @@ class _SeqState:
     emitted_chars: int = 0  # visible text already handed out
     emitted_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs) scored so far, one per prompt position
+    # from 0 (None: nothing predicts the first token); complete once it has every position.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None
+    matcher: Any = None  # llguidance.LLMatcher of a structured-output request (None: free text)
+    scheduled_time: float | None = None  # first left the waiting queue (vLLM's queued time ends)
 
 
 @dataclass
@@ -83,6 +104,9 @@ class EngineStats:
     # requests looked up, and those found cached (vLLM's prefix_cache_queries / _hits).
     prefix_cache_queries: dict[str, int] = field(default_factory=dict)
     prefix_cache_hits: dict[str, int] = field(default_factory=dict)
+    # Tokens one step ran (prefill chunks + decodes) -> how many steps ran that many; bounded by
+    # max_num_batched_tokens distinct keys (vLLM's iteration_tokens_total histogram is built from it).
+    iteration_tokens: dict[int, int] = field(default_factory=dict)
 
     def count_prefix_lookup(self, adapter: str, num_tokens: int, num_cached: int) -> None:
         self.prefix_cache_queries[adapter] = self.prefix_cache_queries.get(adapter, 0) + num_tokens
@@ -172,6 +196,9 @@ class LLMEngine:
             lora_slots=self.adapters.slots if self.adapters else None,
         )  # fmt: skip
         self.sampler = Sampler()
+        self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)
+        # Structured-output requests whose grammar is still compiling: (sequence, its Future).
+        self._compiling: dict[str, tuple[Sequence, Future]] = {}
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []
         self.stats = EngineStats()
@@ -211,7 +238,7 @@ class LLMEngine:
                 f"{self.max_model_len} (at least one output token must fit)"
             )
         request_id = request_id or f"req-{next(self._ids)}"
-        if self.scheduler.get(request_id) is not None:
+        if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request_id: {request_id!r} is already in the engine")
         if not (isinstance(weight, int | float) and weight > 0):
             raise ValueError(f"weight: must be a number > 0, got {weight!r}")
@@ -219,6 +246,14 @@ class LLMEngine:
             raise ValueError("lora: LoRA is disabled on this engine (max_loras is 0)")
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary (0..{vocab - 1})")
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.grammars.get(params.structured_output)
+            if grammar.done():
+                grammar.result()  # a known-bad grammar raises StructuredOutputError here
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -237,12 +272,19 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
             stop=StopChecker(params.stop, stop_ids, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         if lora is not None:
             if isinstance(lora, LoRARequest):
                 self._check_adapter_name(lora.name)
             seq.adapter = self.adapters.bind(lora)
         try:
+            if grammar is not None and not grammar.done():
+                self._check_fits(seq)
+                self._compiling[request_id] = (seq, grammar)
+                return request_id
+            if grammar is not None:
+                seq.state.matcher = grammar.result().new_matcher()
             self.scheduler.add(seq)
         except ValueError:
             if seq.adapter is not None:
@@ -273,8 +315,47 @@ class LLMEngine:
             raise ValueError("prompt: must not be empty")
         return ids
 
+    def _check_fits(self, seq: Sequence) -> None:
+        """The scheduler's KV check, for a request that joins it later (grammar compiling)."""
+        blocks = self.block_manager
+        if blocks.blocks_for_tokens(seq.num_tokens) > blocks.num_blocks:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens needs more KV cache than the engine has "
+                f"({blocks.capacity_tokens} tokens)"
+            )
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the scheduler (in arrival order); a
+        failed compile finishes its request with finish_reason "error". Outputs of the failed."""
+        outputs = []
+        for request_id, (seq, grammar) in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                seq.state.matcher = grammar.result().new_matcher()
+            except Exception as exc:  # noqa: BLE001 - StructuredOutputError, or the compile crashed
+                seq.error = str(exc)
+                self._finish_unscheduled(seq, FinishReason.ERROR)
+                outputs.append(self._output(seq))
+                continue
+            self.scheduler.add(seq)
+        return outputs
+
+    def _finish_unscheduled(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish a request the scheduler never saw (its grammar was compiling)."""
+        if seq.adapter is not None:
+            self.adapters.unbind(seq.adapter)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now, freeing its KV blocks; its final output comes with the next step."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            self._finish_unscheduled(compiling[0], FinishReason.ABORT)
+            self._aborted.append(compiling[0])
+            return True
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return False
@@ -282,7 +363,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._compiling)
 
     # -- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -290,13 +371,20 @@ class LLMEngine:
         request that got a token, finished or was aborted since the last step."""
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
+        if self._compiling:
+            outputs += self._admit_compiled()
         decision = self._schedule()
         outputs += [self._output(seq) for seq in decision.failed]
         if not decision:
             self._wait_for_adapter_loads()
+            self._wait_for_grammars()
             return outputs
         to_sample = [s.seq for s in decision.scheduled if s.samples]  # before the run marks tokens computed
         logits = self._run(decision, to_sample)  # [len(to_sample), vocab]
+        if any(seq.params.max_tokens == 0 for seq in to_sample):  # prefill only: nothing to sample
+            keep = [row for row, seq in enumerate(to_sample) if seq.params.max_tokens != 0]
+            outputs += self._finish_prefilled([seq for seq in to_sample if seq.params.max_tokens == 0])
+            to_sample, logits = [to_sample[row] for row in keep], logits[keep]
         if to_sample:
             sampled = self._sample(to_sample, logits)
             outputs += self._postprocess(to_sample, sampled)
@@ -311,6 +399,10 @@ class LLMEngine:
                 self._retained_at_removals = self.adapters.removals
                 self.block_manager.retain_adapters(self.adapters.known_ids())
         decision = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq in decision.admitted:  # the first admission ends the queued time (not a readmission)
+            if seq.state is not None and seq.state.scheduled_time is None:
+                seq.state.scheduled_time = now
         if self.block_manager.enable_prefix_caching:
             for seq in decision.admitted:  # their computed tokens so far are the cached ones
                 adapter = seq.adapter.name if seq.adapter is not None else ""
@@ -323,19 +415,54 @@ class LLMEngine:
         if self.adapters is not None and self.scheduler.waiting and not self.scheduler.running:
             self.adapters.wait_for_loads(timeout=0.01)
 
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: when requests wait only on their grammars, block briefly on the
+        compiles instead of spinning."""
+        if self._compiling and not self.scheduler.running:
+            futures.wait([f for _, f in self._compiling.values()], timeout=0.01, return_when=futures.FIRST_COMPLETED)
+
     def _run(self, decision: SchedulerOutput, to_sample: list[Sequence]) -> torch.Tensor:
         """The model over the scheduled tokens -> logits [len(to_sample), vocab]; their KV is
         now cached."""
-        logits = self.runner.execute(decision.scheduled)
+        result = self.runner.execute(decision.scheduled)
+        self._score_prompts(decision.scheduled, result.prompt_hidden)  # before the chunks count as computed
         self.scheduler.on_step_done(decision.scheduled)
         self.stats.num_steps += 1
+        step_tokens = decision.num_batched_tokens
+        self.stats.iteration_tokens[step_tokens] = self.stats.iteration_tokens.get(step_tokens, 0) + 1
         self.stats.num_preemptions += len(decision.preempted)
-        self.stats.generation_tokens += len(to_sample)
+        self.stats.generation_tokens += sum(1 for s in to_sample if s.params.max_tokens != 0)
         self.stats.prompt_tokens += sum(s.num_prompt_tokens for s in to_sample if not s.output_token_ids)
-        return logits
+        return result.logits
+
+    def _score_prompts(self, scheduled: list[ScheduledSeq], prompt_hidden: dict[int, torch.Tensor]) -> None:
+        """Prompt logprobs of this step's prefill chunks (hidden rows [rows, hidden] per chunk,
+        prompt_logprobs.py). A recompute after preemption scores nothing twice."""
+        for i, hidden in prompt_hidden.items():
+            seq = scheduled[i].seq
+            scored: list = seq.state.prompt_logprobs
+            start = seq.num_computed_tokens  # the chunk's rows predict prompt tokens start + 1 ...
+            skip = len(scored) - (start + 1)  # rows already scored before a preemption
+            if not 0 <= skip < len(hidden):
+                continue
+            targets = seq.prompt_token_ids[start + 1 + skip : start + 1 + len(hidden)]
+            scored += score_prompt_tokens(
+                hidden[skip:], targets, self.model.compute_logits, seq.params.prompt_logprobs
+            )
+
+    def _finish_prefilled(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """max_tokens 0: the prompt is computed (and scored); the request ends without a token."""
+        for seq in seqs:
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+        return [self._output(seq) for seq in seqs]
 
     def _sample(self, to_sample: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
-        """One token per sequence, each with its own sampling settings and generator."""
+        """One token per sequence, each with its own sampling settings and generator; rows with
+        a grammar only among the tokens their matcher allows now."""
+        constrained = [row for row, seq in enumerate(to_sample) if seq.state.matcher is not None]
+        bitmask = None
+        if constrained:  # [C, ceil(V / 32)] int32, filled in parallel off the GIL
+            bitmask = self.grammars.fill_bitmask([to_sample[row].state.matcher for row in constrained])
         batch = SamplingBatch.build(
             params=[seq.params for seq in to_sample],
             prompt_ids=[seq.prompt_token_ids for seq in to_sample],
@@ -343,6 +470,8 @@ class LLMEngine:
             generators=[seq.state.generator for seq in to_sample],
             vocab_size=logits.shape[-1],
             device=self.device,
+            constrained_rows=constrained,
+            token_bitmask=bitmask,
         )
         return self.sampler(logits, batch)
 
@@ -366,7 +495,13 @@ class LLMEngine:
                 k = seq.params.logprobs or 0
                 alternatives = tuple(zip(top[0][row][:k], top[1][row][:k], strict=True)) if top and k else ()
                 state.logprobs.append(TokenLogprob(token_id, chosen_logprobs[row], alternatives))
-            reason = self._check_stop(seq, token_id)
+            if state.matcher is not None and not state.matcher.consume_token(token_id):
+                # Only a token the mask allowed was sampled, so this is a parser limit or a bug.
+                seq.error = f"structured output: {matcher_error(state.matcher)}"
+                state.detokenizer.add(token_id)
+                reason = FinishReason.ERROR
+            else:
+                reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq))
@@ -377,6 +512,8 @@ class LLMEngine:
         prev_len = len(state.detokenizer.text)
         state.detokenizer.add(token_id)
         if state.stop.on_token(token_id, state.detokenizer.text, prev_len):
+            return FinishReason.STOP
+        if state.matcher is not None and state.matcher.is_stopped():  # the grammar is complete
             return FinishReason.STOP
         max_tokens = seq.params.max_tokens
         if max_tokens is not None and seq.num_output_tokens >= max_tokens:
@@ -413,8 +550,15 @@ class LLMEngine:
             delta_logprobs=new_logprobs,
             time_to_first_token=(state.first_token_time - seq.arrival_time) if state.first_token_time else None,
             latency=(now - seq.arrival_time) if finished else None,
+            queue_time=(state.scheduled_time - seq.arrival_time) if state.scheduled_time else None,
             error=seq.error,
+            prompt_logprobs=self._prompt_logprobs(seq),
         )
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+        scored = seq.state.prompt_logprobs
+        return scored if scored is not None and len(scored) == seq.num_prompt_tokens else None
 
     # -- adapters (safe from any thread) ---------------------------------------------
     def add_adapter(
@@ -469,7 +613,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -477,6 +621,7 @@ class LLMEngine:
         return self.block_manager.usage
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         if self.adapters is not None:
             self.adapters.shutdown()
 

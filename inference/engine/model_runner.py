@@ -10,7 +10,8 @@ Two pieces of per-step metadata are built here once and passed down the model's 
 every layer: the attention metadata (block tables, slot mapping, masks) and the LoRA batch
 metadata (the tokens grouped by adapter slot; None when no token has an adapter). Only
 sequences whose chunk reaches their end are sampled, so logits are computed for those rows
-alone: [num_sampled, vocab].
+alone: [num_sampled, vocab]. A sequence asking for prompt logprobs also hands back the hidden
+rows of its chunk that predict prompt tokens (prompt_logprobs.py turns them into logprobs).
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ class BatchInputs:
     attn_meta: AttentionMetadata
     lora_meta: LoRABatchMetadata | None  # None: no token of this step has an adapter
     sample_rows: torch.Tensor  # [num_sampled] long: index into T of each sampled sequence's last token
+    # index into `scheduled` -> (first row in T, row count): the rows of a prompt-logprobs
+    # sequence's chunk at prompt positions start .. min(end, prompt_len - 1) - 1, each predicting
+    # the prompt token after it.
+    prompt_rows: dict[int, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    logits: torch.Tensor  # [num_sampled, vocab] float32, in `scheduled` order
+    prompt_hidden: dict[int, torch.Tensor]  # index into `scheduled` -> [rows, hidden] (BatchInputs.prompt_rows)
 
 
 class ModelRunner:
@@ -58,6 +69,7 @@ class ModelRunner:
         query_lens: list[int] = []
         block_tables: list[list[int]] = []
         last_row: dict[int, int] = {}  # index into `scheduled` -> row of its last token
+        prompt_rows: dict[int, tuple[int, int]] = {}
         # Tokens are laid out grouped by adapter slot (stable: base-only first, then slot 0, 1,
         # ...), so each adapter's tokens form one contiguous run the LoRA layers multiply in
         # place; the sampled rows still come back in `scheduled` order.
@@ -66,6 +78,8 @@ class ModelRunner:
             s = scheduled[i]
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
+            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+                prompt_rows[i] = (len(input_ids), min(end, seq.num_prompt_tokens - 1) - start)
             input_ids += seq.token_ids_slice(start, end)
             positions += range(start, end)
             token_slots += [seq.adapter_slot] * s.num_new_tokens
@@ -86,6 +100,7 @@ class ModelRunner:
             ),
             lora_meta=self._lora_metadata(token_slots),
             sample_rows=tensor(sample_rows),
+            prompt_rows=prompt_rows,
         )
 
     def _lora_metadata(self, token_slots: list[int]) -> LoRABatchMetadata | None:
@@ -94,10 +109,14 @@ class ModelRunner:
         return self.lora_slots.batch_metadata(torch.tensor(token_slots, dtype=torch.long))  # [T] host
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run the model; return float32 logits [num_sampled, vocab] in `scheduled` order."""
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """Run the model; return float32 logits [num_sampled, vocab] in `scheduled` order, and
+        the prompt-logprob rows' hidden states."""
         batch = self.prepare(scheduled)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta, batch.lora_meta
         )  # [T, hidden]
-        return self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
+        return StepResult(
+            logits=self.model.compute_logits(hidden[batch.sample_rows]),  # [num_sampled, vocab]
+            prompt_hidden={i: hidden[row : row + n] for i, (row, n) in batch.prompt_rows.items()},
+        )

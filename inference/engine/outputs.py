@@ -11,6 +11,7 @@ class TokenLogprob:
     logprob: float
     # The most likely alternatives at this position, best first: [(token_id, logprob)].
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs set it)
 
 
 @dataclass(frozen=True)
@@ -39,5 +40,9 @@ class RequestOutput:
     # Seconds since arrival: first token, and finish (None until then).
     time_to_first_token: float | None = None
     latency: float | None = None
+    queue_time: float | None = None  # arrival to first scheduled (seconds), once it was scheduled
     error: str | None = None  # with finish_reason "error": why (e.g. the adapter failed to load)
     extra: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs, once the prompt is computed: one entry per prompt
+    # token, the first None (nothing predicts it), as vLLM's RequestOutput.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -4,6 +4,8 @@ Pipeline per row (vLLM / OpenAI semantics); a stage is skipped when no row needs
 this runs on every step:
 
     logits                  raw model output [N, V] float32 (never modified; logprobs use it)
+    grammar mask            structured-output rows: tokens their grammar forbids -> -inf
+    logit_bias              rows with a bias: logit[token] += bias
     repetition penalty      tokens in prompt or output: logit > 0 -> logit / r, else logit * r
     frequency, presence     logit -= f * count_in_output + p * (count_in_output > 0)
     greedy rows             token = argmax(penalised logits)   (temperature 0)
@@ -38,7 +40,15 @@ a row takes depends on its own parameters and logits only). Rows without a gener
 draw from the default generator.
 
 Logprobs (like vLLM's default "raw_logprobs"): log_softmax of the RAW logits, i.e. the model's
-own distribution before penalties, temperature and filtering, at the chosen token and the top k.
+own distribution before the grammar mask, logit_bias, penalties, temperature and filtering, at
+the chosen token and the top k.
+
+Logits processors (the grammar mask and logit_bias) come first, as in vLLM, and touch only the
+rows that use them: the others are copied bit for bit, so an unconstrained request samples the
+same tokens whatever shares its batch. The mask arrives as llguidance's packed bitmask
+[C, ceil(V / 32)] int32 for the C constrained rows, is unpacked to [C, V] of 0 / -inf by one
+table lookup per byte and added to those rows with one index_add_; the biases are one
+index_add_ over the flat (row * V + token) positions.
 """
 
 from __future__ import annotations
@@ -51,7 +61,14 @@ import torch
 
 from inference.engine.sampling_params import SamplingParams, SamplingType
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "apply_penalties", "make_generator"]
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingBatch",
+    "apply_logits_processors",
+    "apply_penalties",
+    "make_generator",
+]
 
 # top_p rows (without top_k) look for their cut among their TOP_P_CANDIDATES most likely tokens
 # (a partial topk is far cheaper than sorting the vocabulary); a row whose nucleus is larger
@@ -73,6 +90,18 @@ class _Penalties:
     positions: torch.Tensor  # [K] long, row * V + token of every (row, token) a penalty touches
     repetition: torch.Tensor | None  # [K] float32 the pair's row's penalty; None = unused
     subtract: torch.Tensor | None  # [K] float32 f * count + p * (count > 0); None = unused
+
+
+@dataclass(frozen=True)
+class _TokenMask:
+    rows: torch.Tensor  # [C] long, the constrained rows
+    bitmask: torch.Tensor  # [C, W] int32, bit j of word w allows token 32 * w + j
+
+
+@dataclass(frozen=True)
+class _LogitBias:
+    positions: torch.Tensor  # [K] long, row * V + token
+    values: torch.Tensor  # [K] float32
 
 
 @dataclass(frozen=True)
@@ -122,6 +151,8 @@ class SamplingBatch:
     penalties: _Penalties | None  # None = no row uses a penalty
     wants_logprobs: bool  # some row asked for logprobs (0 counts: the chosen token's)
     num_top_logprobs: int  # largest `logprobs` in the batch; 0 = no top_logprobs
+    token_mask: _TokenMask | None = None  # None = no row is constrained by a grammar
+    logit_bias: _LogitBias | None = None  # None = no row has a logit_bias
 
     @classmethod
     def build(
@@ -132,7 +163,12 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
+        constrained_rows: Sequence[int] = (),
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
+        """constrained_rows / token_bitmask: the rows a grammar constrains and their allowed
+        tokens, [len(constrained_rows), W] int32 packed bits (W * 32 may differ from vocab_size:
+        bits past vocab_size are ignored, tokens past W * 32 are forbidden)."""
         n = len(params)
         for name, value in (
             ("prompt_ids", prompt_ids),
@@ -174,6 +210,8 @@ class SamplingBatch:
             penalties=_build_penalties(params, prompt_ids, output_ids, vocab_size, device),
             wants_logprobs=any(p.logprobs is not None for p in params),
             num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            token_mask=_build_token_mask(constrained_rows, token_bitmask, n, device),
+            logit_bias=_build_logit_bias(params, vocab_size, device),
         )
 
 
@@ -231,6 +269,46 @@ def _build_group(
         top_k_max=max(top_ks) if with_top_k else 0,
         top_p=top_p,
         min_p=_column([p.min_p for p in sub], device) if any(p.min_p > 0 for p in sub) else None,
+    )
+
+
+def _build_token_mask(
+    rows: Sequence[int], bitmask: torch.Tensor | None, n: int, device: torch.device
+) -> _TokenMask | None:
+    if bitmask is None:
+        if rows:
+            raise ValueError("token_bitmask is required with constrained_rows")
+        return None
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[0] != len(rows):
+        raise ValueError(
+            f"token_bitmask must be [{len(rows)}, W] int32, got {list(bitmask.shape)} {bitmask.dtype}"
+        )
+    if not rows:
+        return None
+    if not all(0 <= r < n for r in rows) or len(set(rows)) != len(rows):
+        raise ValueError(f"constrained_rows must be distinct rows in [0, {n}), got {list(rows)}")
+    return _TokenMask(
+        rows=torch.tensor(list(rows), dtype=torch.long, device=device),
+        bitmask=bitmask.to(device, non_blocking=True),
+    )
+
+
+def _build_logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> _LogitBias | None:
+    biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return None
+    positions, values = [], []
+    for i, bias in biased:
+        for token_id, value in bias.items():
+            if token_id >= vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is outside [0, {vocab_size})")
+            positions.append(i * vocab_size + token_id)
+            values.append(value)
+    return _LogitBias(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        values=torch.tensor(values, dtype=torch.float32, device=device),
     )
 
 
@@ -315,7 +393,8 @@ class Sampler:
                 f"logits must be [{batch.num_rows}, {batch.vocab_size}], got {list(logits.shape)}"
             )
         raw = logits.float()  # [N, V]; never modified in place
-        penalised = apply_penalties(raw, batch)  # [N, V]; `raw` itself when no penalties
+        processed = apply_logits_processors(raw, batch)  # [N, V]; `raw` itself when none apply
+        penalised = apply_penalties(processed, batch)  # [N, V]; its input itself when no penalties
 
         if batch.random is None:
             token_ids = penalised.argmax(dim=-1)  # [N]
@@ -336,6 +415,42 @@ class Sampler:
                 values, ids = logprobs.topk(batch.num_top_logprobs, dim=-1)  # [N, k] descending
                 top = (ids, values)
         return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top)
+
+
+# Unpacking the grammar bitmask by bytes: row b = what byte value b adds to its 8 tokens' logits
+# (bit i set: 0, allowed; clear: -inf). [256, 8] float32.
+_BYTE_TO_ADD = torch.where(
+    ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, -torch.inf
+)
+
+
+def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] -> logits with the grammar masks (forbidden -> -inf) and logit_bias applied
+    to the rows that have them [N, V]. Returns `logits` itself when no row has either, else a
+    new tensor (the input untouched; the other rows copied unchanged)."""
+    mask, bias = batch.token_mask, batch.logit_bias
+    if mask is None and bias is None:
+        return logits
+    out = logits.clone()  # [N, V]
+    if mask is not None:
+        out.index_add_(0, mask.rows, _unpack_bitmask(mask.bitmask, out.shape[1]))
+    if bias is not None:
+        out.view(-1).index_add_(0, bias.positions, bias.values)
+    return out
+
+
+def _unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[C, W] int32 packed -> [C, vocab_size] float32 to add to the logits: 0 where allowed,
+    -inf elsewhere (tokens past W * 32 too). One table lookup per byte: the int32 words are
+    little-endian (x86, CUDA), so byte k of word w holds tokens 32 * w + 8 * k + 0..7."""
+    rows, words = bitmask.shape
+    table = _BYTE_TO_ADD.to(bitmask.device)
+    add = torch.nn.functional.embedding(bitmask.view(torch.uint8).int(), table)  # [C, 4W, 8]
+    add = add.view(rows, words * 32)
+    if words * 32 >= vocab_size:
+        return add[:, :vocab_size]
+    pad = torch.full((rows, vocab_size - words * 32), -torch.inf, device=bitmask.device)
+    return torch.cat([add, pad], dim=1)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Semantics follow vLLM / the OpenAI API. A SamplingParams is frozen: build a changed copy with
 `dataclasses.replace(params, max_tokens=...)` (which validates again). Every bad value raises a
-ValueError whose message starts with the field's name, e.g. "max_tokens must be >= 1, got 0".
+ValueError whose message starts with the field's name, e.g. "max_tokens must be >= 0, got -1".
 """
 
 from __future__ import annotations
@@ -10,14 +10,20 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from inference.engine.structured_output import StructuredOutput
 
 # temperature below this is treated as greedy (argmax): dividing logits by ~0 would overflow,
 # and the argmax is what such a temperature means anyway (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
 # OpenAI's `top_logprobs` allows 0..20.
 MAX_LOGPROBS = 20
+# OpenAI's `logit_bias` values lie in [-100, 100] (-100 bans a token, +100 all but forces it).
+MAX_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -58,7 +64,8 @@ def _bool(name: str, value: object) -> bool:
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
 
-    max_tokens: output tokens to generate at most; None = until the context length is reached.
+    max_tokens: output tokens to generate at most; None = until the context length is reached;
+        0 = prefill only (score the prompt with prompt_logprobs; the request finishes "length").
     temperature: 0 (or < 1e-5) = greedy; otherwise logits are divided by it before filtering.
     top_p: keep the smallest set of most likely tokens whose probability adds up to >= top_p.
     top_k: keep the k most likely tokens; 0 (or -1, normalised to 0) = disabled.
@@ -74,6 +81,15 @@ class SamplingParams:
     ignore_eos: keep going past EOS (benchmarks).
     logprobs: None = no logprobs; k in 0..20 = the chosen token's logprob plus the k most likely
         alternatives (log-softmax of the raw model logits, before penalties and temperature).
+    prompt_logprobs: None = none; k in 0..20 = each prompt token's logprob (the first has none)
+        and rank, plus the k most likely tokens at that position (vLLM's extra). Such a request
+        computes its whole prompt: a cached prefix has no logits to give.
+    structured_output: the output must match this JSON schema / grammar (structured_output.py);
+        None = free text. The grammar's mask applies before penalties and temperature; the
+        request finishes "stop" once the grammar is complete.
+    logit_bias: {token id: bias in [-100, 100]} added to those logits before penalties and
+        temperature (OpenAI). Normalised to a dict of int -> float; decimal-string ids (JSON
+        object keys) are read as ints. Logprobs stay those of the raw logits.
     """
 
     max_tokens: int | None = 16
@@ -91,6 +107,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         # frozen dataclass: normalised values are written with object.__setattr__.
@@ -99,8 +118,8 @@ class SamplingParams:
 
         if self.max_tokens is not None:
             max_tokens = _int("max_tokens", self.max_tokens)
-            if max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+            if max_tokens < 0:
+                raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
             put("max_tokens", max_tokens)
 
         temperature = _real("temperature", self.temperature)
@@ -143,14 +162,24 @@ class SamplingParams:
         put("stop", self._validated_stop(self.stop))
         put("stop_token_ids", self._validated_stop_token_ids(self.stop_token_ids))
 
-        if self.logprobs is not None:
-            logprobs = _int("logprobs", self.logprobs)
-            if not 0 <= logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-            put("logprobs", logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                value = _int(name, getattr(self, name))
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                put(name, value)
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _bool(name, getattr(self, name))
+
+        if self.structured_output is not None:
+            from inference.engine.structured_output import StructuredOutput
+
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError(
+                    f"structured_output must be a StructuredOutput, got {type(self.structured_output).__name__}"
+                )
+        put("logit_bias", self._validated_logit_bias(self.logit_bias))
 
     @staticmethod
     def _validated_stop(stop: object) -> tuple[str, ...]:
@@ -180,6 +209,25 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids[{i}] must be >= 0, got {token_id}")
             out.append(token_id)
         return tuple(out)
+
+    @staticmethod
+    def _validated_logit_bias(bias: object) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping):
+            raise ValueError(f"logit_bias must be a map of token id to bias, got {bias!r}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            token_id = key
+            if isinstance(key, str) and key.strip().lstrip("-").isdecimal():
+                token_id = int(key)
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias key {key!r} is not a token id (an integer >= 0)")
+            value = _real(f"logit_bias[{key!r}]", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{key!r}] must be in [-100, 100], got {value}")
+            out[int(token_id)] = value
+        return out or None
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -251,6 +251,11 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` may share: same tokens, same adapter id, same cache salt."""
         self._set_prefix_key(seq)
+        if seq.wants_prompt_logprobs:
+            # Prompt logprobs need the logits of every prompt position and a cached prefix has
+            # none: such a request computes its whole prompt (as vLLM); its blocks still join
+            # the cache for others.
+            return []
         return self.block_manager.find_cached(seq)
 
     def _set_prefix_key(self, seq: Sequence) -> None:

@@ -98,5 +98,9 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params is not None and self.params.prompt_logprobs is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -25,8 +25,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inference.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from inference.engine.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,8 @@ class EngineSnapshot:
     # Prefix cache, in tokens, per adapter name ("" = the base model): looked up, found cached.
     prefix_cache_queries: tuple[tuple[str, int], ...] = ()
     prefix_cache_hits: tuple[tuple[str, int], ...] = ()
+    # (tokens one step ran, steps that ran that many): vllm:iteration_tokens_total.
+    iteration_tokens: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -153,6 +159,14 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             raise
         return stream
+
+    async def check_structured_output(self, spec: StructuredOutput) -> None:
+        """Compile `spec`'s grammar (or find it cached) in the grammar thread pool, off the
+        engine thread. Raises StructuredOutputError (a ValueError naming the bad part of the
+        request) for a bad schema or grammar, so the server answers 400 before anything is
+        queued; on success the compiled grammar is cached and the request starts at once."""
+        self._check_alive()
+        await asyncio.wrap_future(self.engine.grammars.get(spec))
 
     def abort(self, stream: RequestStream) -> None:
         """Abort whatever of the stream is still running (client disconnect): KV blocks and
@@ -295,6 +309,7 @@ class AsyncEngine:
             waiting_adapters=tuple(_adapter_name(s) for s in scheduler.waiting if s.adapter is not None),
             prefix_cache_queries=tuple(stats.prefix_cache_queries.items()),
             prefix_cache_hits=tuple(stats.prefix_cache_hits.items()),
+            iteration_tokens=tuple(stats.iteration_tokens.items()),
         )
 
 

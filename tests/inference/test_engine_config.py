@@ -66,7 +66,7 @@ def test_bad_flag_values_name_the_field():
 @pytest.mark.parametrize(
     ("args", "env", "needle"),
     [
-        (["--max-tokens", "0"], {}, "max_tokens"),
+        (["--max-tokens", "-1"], {}, "max_tokens"),
         ([], {"INFERENCE_DTYPE": "float64"}, "INFERENCE_DTYPE"),
         (["--model", "/nonexistent/model.gguf"], {}, "does not exist"),
     ],

@@ -180,7 +180,7 @@ def test_bad_requests_raise_a_value_error_naming_the_field_and_others_keep_runni
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),

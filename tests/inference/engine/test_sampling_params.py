@@ -55,11 +55,12 @@ def test_frozen_and_replace_revalidates():
         params.temperature = 0.5  # type: ignore[misc]
     assert dataclasses.replace(params, top_k=-1).top_k == 0
     with pytest.raises(ValueError, match="^max_tokens"):
-        dataclasses.replace(params, max_tokens=0)
+        dataclasses.replace(params, max_tokens=-1)
+    assert dataclasses.replace(params, max_tokens=0).max_tokens == 0  # prefill only (prompt scoring)
 
 
 INVALID = [
-    ("max_tokens", 0),
+    ("max_tokens", -1),
     ("max_tokens", -3),
     ("max_tokens", 1.5),
     ("max_tokens", True),
@@ -101,9 +102,16 @@ INVALID = [
     ("logprobs", -1),
     ("logprobs", 21),
     ("logprobs", 1.0),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21),
+    ("prompt_logprobs", True),
     ("ignore_eos", "yes"),
     ("skip_special_tokens", 1),
     ("include_stop_str_in_output", None),
+    ("structured_output", {"type": "json_object"}),
+    ("logit_bias", {1: 101}),
+    ("logit_bias", {-1: 1}),
+    ("logit_bias", [1, 2]),
 ]
 
 
