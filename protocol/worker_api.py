@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import quote
 
 # -- routes -----------------------------------------------------------------------------------
+HEALTH = "/health"
 READY = "/ready"
 METRICS = "/metrics"
 MODELS = "/v1/models"
@@ -57,6 +58,9 @@ ADAPTER_CHECKSUM_MISMATCH = "adapter_checksum_mismatch"
 ADAPTER_TOO_LARGE = "adapter_too_large"
 TOO_MANY_PINNED = "too_many_pinned"
 INVALID_ADMIN_TOKEN = "invalid_admin_token"
+INVALID_API_KEY = "invalid_api_key"  # the worker runs with --api-key and the request lacks it (401)
+# A load/unload on a worker started without INFERENCE_ALLOW_RUNTIME_LORA_UPDATING (404, as in vLLM).
+RUNTIME_LORA_UPDATING_DISABLED = "runtime_lora_updating_disabled"
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
 # 503s a worker gives before a request starts: another worker should take it (the gateway moves on).
 SERVER_OVERLOADED = "server_overloaded"  # its waiting queue is full
@@ -275,35 +279,26 @@ CACHE_SALT_MAX = 256
 
 
 # -- completions: the OpenAI parameters the worker refuses ----------------------------------------
-# Not implemented yet (tools and structured output come with the structured-output issue; the others
-# need modalities or logit processing the engine lacks). Each is refused with a 400 naming it (code
-# unsupported_parameter) rather than silently ignored, unless its value asks for nothing
-# (HARMLESS_VALUES). The gateway relays that 400 as it is.
+# Not implemented (they need modalities, legacy function-calling or search the engine lacks). Each
+# is refused with a 400 naming it (code unsupported_parameter) rather than silently ignored, unless
+# its value asks for nothing (HARMLESS_VALUES). The gateway relays that 400 as it is. Structured
+# output (response_format), logit_bias and forced tool calls (tools, tool_choice,
+# parallel_tool_calls) are served; their bad values are 400s naming them too.
 UNSUPPORTED_CHAT_FIELDS = (
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
-    "logit_bias",
     "audio",
     "modalities",
     "prediction",
     "web_search_options",
 )
-# OpenAI's legacy completions has logit_bias; response_format is vLLM's extension there.
-UNSUPPORTED_COMPLETION_FIELDS = ("logit_bias", "response_format")
-# Values that ask for nothing special, besides null: no tools, no forced call, plain text, no bias,
-# the default of parallel_tool_calls. Compared with their JSON type (1 is not true).
+# OpenAI's legacy completions takes none of them (logit_bias and vLLM's response_format are served).
+UNSUPPORTED_COMPLETION_FIELDS: tuple[str, ...] = ()
+# Values that ask for nothing special, besides null: no legacy functions, no forced call, text only.
+# Compared with their JSON type (1 is not true).
 HARMLESS_VALUES: dict[str, tuple] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True,),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
-    "logit_bias": ({},),
     "modalities": (["text"],),
 }
 

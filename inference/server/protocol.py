@@ -3,10 +3,11 @@
 Strict mode: "0.5" is not a number and `true` is not 1, as in OpenAI's API, so a wrong type is a
 400 naming the parameter rather than a silent coercion. Unknown fields are ignored (clients send
 many optional OpenAI fields we have no use for, like `store` or `metadata`), except the OpenAI
-parameters that would change what comes back and that the worker does not implement yet
+parameters that would change what comes back and that the worker does not implement
 (UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS, defined with the portal's side of the wire
 in protocol.worker_api): asking for one is a 400 naming it, code `unsupported_parameter`, never a
-plain-text 200. Engine-side limits (context length, token ids, chat roles) are checked by the
+plain-text 200. `response_format`, `logit_bias`, `tools`, `tool_choice` and `parallel_tool_calls`
+take any JSON here: the routes check them (structured.py, tool_calls.py), naming the bad part. Engine-side limits (context length, token ids, chat roles) are checked by the
 engine when the request is added.
 
 The adapter routes' bodies (LoadLoraAdapterRequest, UnloadAdapterRequest) have exactly the fields
@@ -16,7 +17,8 @@ Extra fields, documented for the gateway: `tenant` (who pays for the tokens; the
 shares the worker between tenants), `tenant_weight` (> 0, that tenant's share) and vLLM's
 `cache_salt` (requests share cached prompt KV only with requests of the same salt). vLLM's
 sampling extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids`
-are accepted too.
+are accepted too, and on completions `prompt_logprobs` (with `echo` and `max_tokens: 0`, what
+evaluation harnesses use to score a prompt).
 """
 
 from __future__ import annotations
@@ -103,14 +105,17 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    # UNSUPPORTED_CHAT_FIELDS: any JSON value; only harmless ones pass.
+    # vLLM's extra: the rendered prompt's token logprobs, top-level in the response
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Checked by the route (structured.py, tool_calls.py), which names the bad part of a value.
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
     response_format: Any = None
     logit_bias: Any = None
+    # UNSUPPORTED_CHAT_FIELDS: any JSON value; only harmless ones pass.
+    functions: Any = None
+    function_call: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -121,15 +126,20 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str | list[int]]
+    # 0 only with echo: the prompt is scored (prefill only), nothing generated (vLLM's rule)
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    # vLLM extra: per choice, each prompt token's logprob and rank plus the k most likely tokens
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
-    # UNSUPPORTED_COMPLETION_FIELDS
+    # Checked by the route (structured.py); response_format is vLLM's extension here.
     logit_bias: Any = None
     response_format: Any = None
 
-    _unsupported = field_validator(*UNSUPPORTED_COMPLETION_FIELDS)(_refuse_unsupported)
+    if UNSUPPORTED_COMPLETION_FIELDS:  # none today
+        _unsupported = field_validator(*UNSUPPORTED_COMPLETION_FIELDS)(_refuse_unsupported)
 
 
 class LoadLoraAdapterRequest(_Body):

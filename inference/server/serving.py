@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,7 +24,11 @@ from inference.server import sse
 from inference.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from inference.server.errors import APIError, from_value_error, model_not_found
 from inference.server.protocol import _Sampling
+from inference.server.structured import as_api_error
 from protocol.worker_api import SERVER_OVERLOADED, WORKER_DRAINING
+
+if TYPE_CHECKING:  # the engine's modules (torch) load on the engine thread, after the server bound
+    from inference.engine.structured_output import StructuredOutput
 
 RETRY_AFTER_SECONDS = 1
 
@@ -44,13 +49,20 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, served from the prefix cache
+    # echo / prompt_logprobs (completions): the prompt's ids, and its logprobs (first None)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     sent_role: bool = False
 
 
-def sampling_params(body: _Sampling, *, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
+def sampling_params(body: _Sampling, *, max_tokens: int | None, logprobs: int | None, choice: int,
+                    structured_output: StructuredOutput | None = None,
+                    logit_bias: dict[int, float] | None = None) -> SamplingParams:
     """The engine's SamplingParams for choice `choice` of a request. With n > 1 and a seed,
-    choice i uses seed + i: each choice is reproducible and the choices differ."""
-    values: dict = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": body.ignore_eos}
+    choice i uses seed + i: each choice is reproducible and the choices differ.
+    structured_output / logit_bias: already checked (structured.py, Serving.check_grammar)."""
+    values: dict = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": body.ignore_eos,
+                    "structured_output": structured_output, "logit_bias": logit_bias}
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                  "repetition_penalty"):
         value = getattr(body, name)
@@ -114,6 +126,25 @@ class Serving:
         Returns how many client requests were cut."""
         return self.engine.abort_all(draining_error("the worker shut down before this request finished"))
 
+    async def check_grammar(self, spec: StructuredOutput, *, param: str, part: str | None = None) -> None:
+        """Compile `spec` (off the event loop and the engine thread; cached) before the request
+        is added: a schema the engine cannot use is a 400 for `param` (the message names the
+        failing `part`), never a failed request inside a running batch."""
+        # Loaded with the model, on the engine thread (torch).
+        from inference.engine.structured_output import StructuredOutputError
+
+        try:
+            await self.engine.check_structured_output(spec)
+        except StructuredOutputError as exc:
+            raise as_api_error(exc, param=param, part=part) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type="service_unavailable") from None
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (logits width): token ids are below it."""
+        return self.engine.engine.model_config.vocab_size
+
     async def submit(self, requests: list[dict], *, prompt_param: str) -> RequestStream:
         self.admit(len(requests))
         try:
@@ -135,6 +166,9 @@ class Serving:
                 choice.token_ids = out.token_ids
                 choice.prompt_tokens = out.usage.prompt_tokens
                 choice.cached_tokens = out.usage.cached_tokens
+                choice.prompt_token_ids = out.prompt_token_ids
+                if out.prompt_logprobs is not None:
+                    choice.prompt_logprobs = out.prompt_logprobs
                 if out.delta_logprobs:
                     choice.logprobs.extend(out.delta_logprobs)
                 if out.finished:

@@ -154,10 +154,9 @@ def test_a_description_that_is_not_an_object_is_none(value):
 
 @pytest.mark.parametrize(
     ("field", "value", "harmless"),
-    [("tools", None, True), ("tools", [], True), ("tools", [{"type": "function"}], False),
-     ("parallel_tool_calls", True, True), ("parallel_tool_calls", 1, False),
-     ("response_format", {"type": "text"}, True), ("response_format", {"type": "json_object"}, False),
-     ("logit_bias", {}, True), ("logit_bias", {"50256": -100}, False), ("modalities", ["text"], True),
+    [("functions", None, True), ("functions", [], True), ("functions", [{"name": "f"}], False),
+     ("function_call", "none", True), ("function_call", {"name": "f"}, False),
+     ("modalities", ["text"], True), ("modalities", ["text", "audio"], False), ("modalities", "text", False),
      ("audio", {"voice": "alloy"}, False), ("prediction", None, True)],
 )
 def test_an_unsupported_parameter_passes_only_when_it_asks_for_nothing(field, value, harmless):

@@ -76,7 +76,8 @@ def test_bad_chat_values_are_400_naming_the_param(server, field, value, param):
     ({"prompt": []}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "top_k": -5}, "top_k"),
     ({"prompt": "x", "stop": ["", "a"]}, "stop[0]"),
     ({}, "prompt"),
