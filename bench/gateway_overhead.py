@@ -60,6 +60,7 @@ def start_worker(log_dir: Path) -> tuple[str, subprocess.Popen]:
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
+    env["INFERENCE_ALLOW_RUNTIME_LORA_UPDATING"] = "true"  # as deployed: the portal stages adapters
     proc = subprocess.Popen(
         [sys.executable, "-m", "inference", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--model", str(default_model_path()), "--served-model-name", BASE, "--dtype", "float32",

@@ -206,23 +206,29 @@ def parse_origins(variable: str, value: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class AccessConfig:
-    """The worker's adapter-management security (environment INFERENCE_*; flags on top):
+    """Who may call the worker and manage its adapters (environment INFERENCE_*; flags on top):
 
     INFERENCE_ENV            development (default) | production: production refuses to start
                              without an admin token of at least MIN_ADMIN_TOKEN_CHARS characters
+    INFERENCE_API_KEY        (--api-key; vLLM's VLLM_API_KEY) the Bearer token every route but
+                             /health, /ready and /metrics requires; unset: open
     INFERENCE_ADMIN_TOKEN    (--admin-token) the Bearer token the adapter routes require; unset: open
     INFERENCE_PORTAL_ORIGINS (--portal-origins) comma-separated origins a `lora_url` may point at;
                              unset: no adapter is fetched by URL (local `lora_path` loads still work)
+    INFERENCE_ALLOW_RUNTIME_LORA_UPDATING  (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) true: the
+                             load/unload routes exist; false (default, as in vLLM): they are 404s
     """
 
     environment: str = "development"
     admin_token: str | None = None
     portal_origins: tuple[str, ...] = ()
+    api_key: str | None = None
+    allow_runtime_lora_updating: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, admin_token: str | None = None,
-                 portal_origins: str | None = None) -> AccessConfig:
-        """Flags (`admin_token`, `portal_origins`) win over their variables when not None."""
+                 portal_origins: str | None = None, api_key: str | None = None) -> AccessConfig:
+        """Flags (`admin_token`, `portal_origins`, `api_key`) win over their variables when not None."""
         env = os.environ if environ is None else environ
         environment = (env.get("INFERENCE_ENV") or "development").strip().lower()
         if environment not in ENVIRONMENTS:
@@ -240,5 +246,12 @@ class AccessConfig:
                                              f"characters, got {len(token)}")
         origins_var = "--portal-origins" if portal_origins is not None else "INFERENCE_PORTAL_ORIGINS"
         origins_text = portal_origins if portal_origins is not None else env.get("INFERENCE_PORTAL_ORIGINS", "")
+        key_var = "--api-key" if api_key is not None else "INFERENCE_API_KEY"
+        key = (api_key if api_key is not None else env.get("INFERENCE_API_KEY") or "").strip()
+        if api_key is not None and not key:
+            raise ConfigError(key_var, "must not be empty")
+        runtime = env.get("INFERENCE_ALLOW_RUNTIME_LORA_UPDATING", "")
         return cls(environment=environment, admin_token=token or None,
-                   portal_origins=parse_origins(origins_var, origins_text))
+                   portal_origins=parse_origins(origins_var, origins_text), api_key=key or None,
+                   allow_runtime_lora_updating=_parse_bool("INFERENCE_ALLOW_RUNTIME_LORA_UPDATING", runtime)
+                   if runtime.strip() else False)

@@ -75,6 +75,7 @@ DEFAULT_PRODUCTION_HSTS_SECONDS = 365 * 24 * 60 * 60
 VARIABLES = (
     "PORTAL_ENV", "DJANGO_ENV", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "CSRF_TRUSTED_ORIGINS",
     "DATABASE_URL", "DATABASE_POOL_SIZE", "REDIS_URL", "INFERENCE_URLS", "INFERENCE_DISCOVERY", "INFERENCE_ADMIN_TOKEN",
+    "INFERENCE_API_KEY",
     "PORTAL_INTERNAL_URL", "STORAGE_ROOT", "STATIC_ROOT", "LOG_LEVEL", "MAX_UPLOAD_BYTES",
     "SECURE_SSL_REDIRECT", "SECURE_HSTS_SECONDS", "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD",
     "GATEWAY_MAX_BODY_BYTES", "REDIS_KEY_PREFIX", "DATABASE_POOL_TIMEOUT",
@@ -122,6 +123,10 @@ class WebConfig:
     # ("dns://inference-headless:8001": a Kubernetes headless Service); see portal.fleet.discovery.
     inference_discovery: tuple[str, ...]
     inference_admin_token: str | None
+    # The workers' --api-key (INFERENCE_API_KEY, the same variable the workers read): sent on every
+    # call to a worker that is not an admin call (those carry the admin token, which a worker with
+    # an API key accepts as well). None: the workers run without one.
+    inference_api_key: str | None
     # The bearer token Prometheus presents to GET /metrics (portal.core.metrics_asgi); None: /metrics
     # is open in development and absent (404) in production.
     metrics_token: str | None
@@ -218,6 +223,7 @@ def _identity_settings(env: Mapping[str, str], production: bool) -> dict[str, An
             _parse_http_url("CSRF_TRUSTED_ORIGINS", origin) for origin in _parse_list(env.get("CSRF_TRUSTED_ORIGINS"))
         ),
         inference_admin_token=inference_admin_token,
+        inference_api_key=(env.get("INFERENCE_API_KEY") or "").strip() or None,
         metrics_token=metrics_token,
         log_level=_parse_log_level(env.get("LOG_LEVEL")),
     )

@@ -171,6 +171,7 @@ def test_compose_wires_the_fleet_to_the_portal_over_the_internal_network(compose
         assert services[name]["environment"]["PORTAL_INTERNAL_URL"] == "http://web:8000"
     for name in ("inference-1", "inference-2"):  # two workers, each its own host and URL
         assert services[name]["environment"]["INFERENCE_PORTAL_ORIGINS"] == "http://web:8000"
+        assert services[name]["environment"]["INFERENCE_ALLOW_RUNTIME_LORA_UPDATING"] == "true"  # staging loads
     assert services["web"]["environment"]["INFERENCE_URLS"].split(",") == [
         "http://inference-1:8001", "http://inference-2:8001"]
     example = example_values()
@@ -206,6 +207,10 @@ def test_make_run_gives_every_process_one_generated_fleet_token() -> None:
     assert first["INFERENCE_ADMIN_TOKEN"] != second["INFERENCE_ADMIN_TOKEN"]  # random, per run
     assert first["PORTAL_INTERNAL_URL"] == "http://127.0.0.1:8000"
     assert first["INFERENCE_PORTAL_ORIGINS"] == "http://127.0.0.1:8000"
+    # The portal stages adapters on the local worker at run time: the worker's load route must exist.
+    assert first["INFERENCE_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    assert run.local_environment({"INFERENCE_ALLOW_RUNTIME_LORA_UPDATING": "false"})[
+        "INFERENCE_ALLOW_RUNTIME_LORA_UPDATING"] == "false"
     # The processes inherit it from the environment: it is on no command line (ps shows those).
     assert not any(first["INFERENCE_ADMIN_TOKEN"] in cmd or "admin-token" in cmd for cmd in run.processes().values())
 
@@ -301,3 +306,16 @@ def _required(name: str) -> set[str]:
 def test_each_image_installs_what_its_code_imports(image, packages, extra) -> None:
     missing = _distributions(_third_party_imports(*packages)) - _required(image) - extra
     assert not missing, f"{image} lacks what {', '.join(packages)} import: {sorted(missing)}"
+
+
+def test_the_web_image_installs_every_installed_app() -> None:
+    # Apps named only as strings in settings (drf_spectacular_sidecar: the API docs' assets)
+    # are no import the check above can see; the image fails at start-up without them.
+    import ast
+
+    settings = ast.parse((ROOT / "portal/settings.py").read_text())
+    apps = next(ast.literal_eval(node.value) for node in settings.body
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INSTALLED_APPS")
+    modules = {app.split(".")[0] for app in apps} - {"portal", "django"}
+    missing = _distributions(modules) - _required("requirements-web.txt")
+    assert not missing, f"requirements-web.txt lacks installed apps: {sorted(missing)}"

@@ -273,6 +273,7 @@ def test_every_process_starts_in_production_with_the_rendered_settings(objects) 
         assert not isinstance(env["INFERENCE_ADMIN_TOKEN"], str), where  # from the Secret
         access = AccessConfig.from_env(values)
         assert access.environment == "production" and access.admin_token, where
+        assert access.allow_runtime_lora_updating, where  # the portal stages adapters at run time
         EngineConfig.from_env(values)  # raises ConfigError on a bad value
 
 

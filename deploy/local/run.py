@@ -43,9 +43,12 @@ ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}
 
 def local_environment(environ: dict[str, str], *, web_host: str = WEB_HOST, web_port: str = WEB_PORT) -> dict[str, str]:
     """The environment every step and process of this run gets: `environ` plus the fleet secret
-    (a fresh random one when unset), where the worker reaches the portal (PORTAL_INTERNAL_URL)
-    and the origin it may fetch adapters from (INFERENCE_PORTAL_ORIGINS). Values already set win."""
+    (a fresh random one when unset), where the worker reaches the portal (PORTAL_INTERNAL_URL),
+    the origin it may fetch adapters from (INFERENCE_PORTAL_ORIGINS) and the switch that lets the
+    portal stage adapters on it at run time (INFERENCE_ALLOW_RUNTIME_LORA_UPDATING, off in a bare
+    worker as in vLLM). Values already set win."""
     env = dict(environ)
+    env.setdefault("INFERENCE_ALLOW_RUNTIME_LORA_UPDATING", "true")
     if not env.get("INFERENCE_ADMIN_TOKEN"):
         env["INFERENCE_ADMIN_TOKEN"] = secrets.token_urlsafe(32)
     if not env.get("PORTAL_INTERNAL_URL"):

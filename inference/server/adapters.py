@@ -14,6 +14,10 @@ Loading validates and reads the adapter on the engine's loader, never on the eve
 (`add_adapter(wait=False)` hands back a future). A bad adapter is a 400 with the validation
 reason and never disturbs the adapters already resident. When an admin token is configured,
 these routes need `Authorization: Bearer <token>` (the gateway holds the token).
+
+Load and unload exist only with INFERENCE_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM's only exist
+with VLLM_ALLOW_RUNTIME_LORA_UPDATING (`runtime_router`); otherwise they are 404s that say so
+(`disabled_runtime_router`). Pinning and the listing work on the adapters registered at start-up.
 """
 
 from __future__ import annotations
@@ -42,6 +46,16 @@ def _require_admin(request: Request) -> None:
 
 
 router = APIRouter(dependencies=[Depends(_require_admin)])
+runtime_router = APIRouter(dependencies=[Depends(_require_admin)])  # load / unload
+disabled_runtime_router = APIRouter()
+
+
+@disabled_runtime_router.post(worker_api.LOAD_ADAPTER)
+@disabled_runtime_router.post(worker_api.UNLOAD_ADAPTER)
+async def runtime_lora_updating_disabled() -> None:
+    raise APIError(404, "loading and unloading adapters at run time is off on this worker (start it with "
+                        "INFERENCE_ALLOW_RUNTIME_LORA_UPDATING=true, vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+                   type="not_found_error", code=worker_api.RUNTIME_LORA_UPDATING_DISABLED)
 
 
 def adapter_json(info) -> dict:
@@ -71,7 +85,7 @@ def _not_found(name: str) -> APIError:
                     code=worker_api.ADAPTER_NOT_FOUND)
 
 
-@router.post(worker_api.LOAD_ADAPTER)
+@runtime_router.post(worker_api.LOAD_ADAPTER)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> dict:
     engine = _engine(request)
     if body.lora_name in request.app.state.serving.served_names:
@@ -111,7 +125,7 @@ def _fetch_settings(request: Request) -> FetchSettings:
     return settings
 
 
-@router.post(worker_api.UNLOAD_ADAPTER)
+@runtime_router.post(worker_api.UNLOAD_ADAPTER)
 async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request) -> dict:
     engine = _engine(request)
     try:

@@ -20,8 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inference.config import AccessConfig, EngineConfig
 from inference.server import errors
+from inference.server.adapters import disabled_runtime_router, runtime_router
 from inference.server.adapters import router as adapter_router
 from inference.server.async_engine import AsyncEngine
+from inference.server.auth import ApiKeyMiddleware
 from inference.server.chat import create_chat_completion
 from inference.server.completions import create_completion
 from inference.server.fetch import FetchSettings
@@ -48,7 +50,8 @@ class ServerSettings:
 def create_app(settings: ServerSettings, on_engine_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
     served_names = list(settings.served_model_names)  # filled with the model's own name once loaded
     # The metrics see every output (on the event loop); they are built next, before the engine starts.
-    engine = AsyncEngine(_engine_factory(settings, served_names), on_output=lambda o, s: metrics.on_output(o, s))
+    engine = AsyncEngine(_engine_factory(settings, served_names, on_loaded=lambda llm: metrics.engine_loaded(llm)),
+                         on_output=lambda o, s: metrics.on_output(o, s))
     metrics = ServerMetrics(engine, model_name=lambda: served_names[0] if served_names else "")
     serving = Serving(
         engine, served_names=served_names,
@@ -68,14 +71,20 @@ def create_app(settings: ServerSettings, on_engine_dead: Callable[[BaseException
     app.state.portal_origins = settings.access.portal_origins
     app.state.fetch_settings = settings.fetch
     app.state.metrics = metrics
+    app.state.started_at = int(time.time())  # the `created` of what /v1/models lists: when this worker started
     errors.install(app)
     app.include_router(router)
     app.include_router(adapter_router)
+    app.include_router(runtime_router if settings.access.allow_runtime_lora_updating else disabled_runtime_router)
+    if settings.access.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.access.api_key, admin_token=settings.access.admin_token)
     return app
 
 
-def _engine_factory(settings: ServerSettings, served_names: list[str]) -> Callable[[], object]:
-    """What the engine thread runs first: load the model and the start-up adapters."""
+def _engine_factory(settings: ServerSettings, served_names: list[str],
+                    on_loaded: Callable[[object], None]) -> Callable[[], object]:
+    """What the engine thread runs first: load the model and the start-up adapters, then
+    on_loaded(engine) (the metrics that need the model's limits)."""
 
     def load():
         # Imported on the engine thread, after the server bound (/health answers meanwhile): the
@@ -92,6 +101,7 @@ def _engine_factory(settings: ServerSettings, served_names: list[str]) -> Callab
             print(f"adapter {name}: {path} (rank {info.rank})", file=sys.stderr, flush=True)
         if not served_names:
             served_names.append(engine.model_name)
+        on_loaded(engine)
         print(f"model loaded in {time.perf_counter() - start:.1f}s; serving as {', '.join(served_names)}",
               file=sys.stderr, flush=True)
         return engine
@@ -137,7 +147,7 @@ async def models(request: Request) -> dict:
     serving.check_ready()
     llm = serving.engine.engine
     settings: ServerSettings = request.app.state.settings
-    created = int(time.time())
+    created = request.app.state.started_at
     base = serving.served_names[0]
     data = [{"id": name, "object": "model", "created": created, "owned_by": "loraplex",
              "root": str(settings.config.model), "parent": None, "max_model_len": llm.max_model_len}

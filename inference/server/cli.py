@@ -11,57 +11,133 @@ requests are refused, in-flight ones finish within --shutdown-grace-seconds, the
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from dataclasses import MISSING, fields
 
-from inference.config import AccessConfig, ConfigError, EngineConfig
+from inference.config import AccessConfig, ConfigError, EngineConfig, parse_memory
 
+SERVE_DESCRIPTION = """\
+Serve one base model and its LoRA adapters over the OpenAI API (/v1/chat/completions,
+/v1/completions, /v1/models), like `vllm serve MODEL`, with vLLM's flag names.
+
+Every flag overrides the INFERENCE_* variable named in its help; a bad value prints one line
+and exits 2 before anything loads. The server binds first and loads the model behind it:
+/health answers at once, /ready turns 200 once the model is loaded, /metrics is Prometheus
+text with vLLM's metric names. Adapters are loaded and unloaded at run time
+(/v1/load_lora_adapter, /v1/unload_lora_adapter) only with
+INFERENCE_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+SIGTERM drains: in-flight requests finish within --shutdown-grace-seconds, then it exits 0.
+
+example:
+  python -m inference serve models/SmolLM2-135M-Instruct.Q4_1.gguf --port 8001 \\
+      --api-key "$KEY" --lora-modules support-bot=/path/to/peft-adapter
+"""
 DEFAULT_PORT = 8001
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 30.0
 
 
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
+
+
+def flag_help(text: str, *, default: object = None, env: str | None = None) -> str:
+    """`text [default: X; env: VAR]`: what --help shows for every flag (argparse %-formats help)."""
+    parts = ([f"default: {default}"] if default is not None else []) + ([f"env: {env}"] if env else [])
+    return (f"{text} [{'; '.join(parts)}]" if parts else text).replace("%", "%%")
+
+
+def engine_flag_help(text: str, field: str, default: object = None) -> str:
+    """Help for a flag over EngineConfig.<field>: its default and its INFERENCE_<FIELD> variable."""
+    return flag_help(text, default=_ENGINE_DEFAULTS.get(field) if default is None else default,
+                     env=f"INFERENCE_{field.upper()}")
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--model", help="a .gguf file or an HF checkpoint directory (default: the fetched SmolLM2)")
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (like `vllm serve`)",
+                       description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help=flag_help("the model, as `vllm serve MODEL` takes it: a .gguf file or an HF checkpoint "
+                                  "directory (same as --model)", default="the fetched SmolLM2", env="INFERENCE_MODEL"))
+    p.add_argument("--model", help=flag_help("a .gguf file or an HF checkpoint directory",
+                                             default="the fetched SmolLM2", env="INFERENCE_MODEL"))
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the base model's name(s) in the API (default: the model's own name); the first is listed")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: the API has no auth)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--device", help="cpu or cuda[:N]")
-    p.add_argument("--max-num-seqs", type=int, help="sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step")
-    p.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
-    p.add_argument("--kv-cache-memory", help="KV cache: bytes ('512MiB', '2GiB') or a fraction of free memory")
+                   help=flag_help("the base model's name(s) in the API; the first is listed",
+                                  default="the model's own name"))
+    p.add_argument("--host", default="127.0.0.1",
+                   help=flag_help("address to bind (keep it internal, or set --api-key)", default="127.0.0.1"))
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=flag_help("port to bind", default=DEFAULT_PORT))
+    p.add_argument("--api-key", metavar="KEY",
+                   help=flag_help("every route but /health, /ready and /metrics then needs 'Authorization: Bearer "
+                                  "KEY' (vLLM's --api-key / VLLM_API_KEY)", default="none: open",
+                                  env="INFERENCE_API_KEY"))
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
+                   help=engine_flag_help("weights and activations", "dtype"))
+    p.add_argument("--device", help=engine_flag_help("cpu or cuda[:N]", "device"))
+    p.add_argument("--max-num-seqs", type=int, help=engine_flag_help("sequences in one batch", "max_num_seqs"))
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help=engine_flag_help("tokens per engine step", "max_num_batched_tokens"))
+    p.add_argument("--max-model-len", type=int,
+                   help=engine_flag_help("cap on prompt + output tokens", "max_model_len",
+                                         default="the model's context length"))
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                   help=flag_help("the KV cache takes this fraction of the memory free once the weights are "
+                                  "loaded, (0, 0.95] (vLLM's flag; vLLM counts the weights in the fraction)",
+                                  default="unset: the 1GiB below", env="INFERENCE_KV_CACHE_MEMORY"))
+    p.add_argument("--kv-cache-memory-bytes", metavar="BYTES",
+                   help=flag_help("the KV cache's size in bytes ('2147483648', '512MiB', '2GiB'); give one of "
+                                  "the three KV cache flags", default="1GiB", env="INFERENCE_KV_CACHE_MEMORY"))
+    p.add_argument("--kv-cache-memory", metavar="BYTES_OR_FRACTION",
+                   help=flag_help("our older spelling of both: bytes ('512MiB') or a fraction of free memory "
+                                  "('0.3')", default="1GiB", env="INFERENCE_KV_CACHE_MEMORY"))
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV of prompt prefixes seen before, per adapter and cache_salt "
-                        "(default on; env INFERENCE_ENABLE_PREFIX_CACHING)")
-    p.add_argument("--max-loras", type=int, help="adapters resident on the device at once")
-    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
-    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted")
+                   help=engine_flag_help("reuse the KV of prompt prefixes seen before, per adapter and cache_salt",
+                                         "enable_prefix_caching", default="on"))
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
+                   help=flag_help("serve LoRA adapters (vLLM's flag; on here: a multi-LoRA worker); "
+                                  "--no-enable-lora serves the base alone", default="on",
+                                  env="INFERENCE_MAX_LORAS=0 turns it off"))
+    p.add_argument("--max-loras", type=int, help=engine_flag_help("adapters resident on the device at once", "max_loras"))
+    p.add_argument("--max-cpu-loras", type=int, help=engine_flag_help("adapters kept in host memory", "max_cpu_loras"))
+    p.add_argument("--max-lora-rank", type=int, help=engine_flag_help("largest adapter rank accepted", "max_lora_rank"))
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="adapters to register at start-up")
+                   help=flag_help("adapters to register at start-up: NAME=PATH or vLLM's JSON "
+                                  "'{\"name\": NAME, \"path\": PATH}'", default="none"))
     p.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests that may wait beyond the running batch; more get 503 + Retry-After")
+                   help=flag_help("requests that may wait beyond the running batch; more get 503 + Retry-After",
+                                  default=256))
     p.add_argument("--admin-token",
-                   help="shared secret for the adapter routes (env INFERENCE_ADMIN_TOKEN); unset: open "
-                        "(refused when INFERENCE_ENV=production)")
+                   help=flag_help("shared secret for the adapter routes; unset: open (refused when "
+                                  "INFERENCE_ENV=production)", default="none", env="INFERENCE_ADMIN_TOKEN"))
     p.add_argument("--portal-origins", metavar="ORIGINS",
-                   help="comma-separated origins (scheme://host[:port]) a load's lora_url may point at "
-                        "(env INFERENCE_PORTAL_ORIGINS); unset: nothing is fetched by URL")
+                   help=flag_help("comma-separated origins (scheme://host[:port]) a load's lora_url may point at; "
+                                  "unset: nothing is fetched by URL", default="none", env="INFERENCE_PORTAL_ORIGINS"))
     p.add_argument("--shutdown-grace-seconds", metavar="SECONDS",
-                   help="on SIGTERM: stop admitting, let in-flight requests finish for up to this long, "
-                        "then cut the rest and exit (env INFERENCE_SHUTDOWN_GRACE_SECONDS; default 30)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                   help=flag_help("on SIGTERM: stop admitting, let in-flight requests finish for up to this long, "
+                                  "then cut the rest and exit", default=f"{DEFAULT_SHUTDOWN_GRACE_SECONDS:g}",
+                                  env="INFERENCE_SHUTDOWN_GRACE_SECONDS"))
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help=flag_help("server log level", default="info"))
 
 
-def _lora_modules(items: list[str]) -> dict[str, str]:
+def _lora_modules(items: list[str], *, enabled: bool = True) -> dict[str, str]:
     modules: dict[str, str] = {}
+    if items and not enabled:
+        raise ConfigError("--lora-modules", "adapters need LoRA on (drop --no-enable-lora, or set --max-loras >= 1)")
     for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ConfigError("--lora-modules", f"expected NAME=PATH, got {item!r}")
+        if item.lstrip().startswith("{"):  # vLLM's JSON form; base_model_name is not needed here
+            try:
+                spec = json.loads(item)
+            except ValueError:
+                raise ConfigError("--lora-modules", f"not valid JSON: {item!r}") from None
+            name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (None, None)
+            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                raise ConfigError("--lora-modules", f"expected {{\"name\": ..., \"path\": ...}}, got {item!r}")
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError("--lora-modules", f"expected NAME=PATH, got {item!r}")
         if name in modules:
             raise ConfigError("--lora-modules", f"adapter name {name!r} given twice")
         if not os.path.isdir(os.path.expanduser(path)):
@@ -70,17 +146,56 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
     return modules
 
 
+def model_argument(args: argparse.Namespace) -> str | None:
+    """The model from `serve MODEL` or `--model` (both given: they must agree)."""
+    positional, flag = getattr(args, "model_tag", None), args.model
+    if positional is not None and flag is not None and positional != flag:
+        raise ConfigError("--model", f"the model is given twice and differently: {positional!r} (positional) "
+                                     f"and {flag!r} (--model); give one")
+    return positional if positional is not None else flag
+
+
+def kv_cache_memory(args: argparse.Namespace) -> int | float | None:
+    """--gpu-memory-utilization (a fraction), --kv-cache-memory-bytes (bytes) or --kv-cache-memory
+    (either): at most one of them."""
+    given = [(name, value) for name, value in (
+        ("--gpu-memory-utilization", getattr(args, "gpu_memory_utilization", None)),
+        ("--kv-cache-memory-bytes", getattr(args, "kv_cache_memory_bytes", None)),
+        ("--kv-cache-memory", args.kv_cache_memory)) if value is not None]
+    if len(given) > 1:
+        raise ConfigError(given[1][0], f"give one of {', '.join(name for name, _ in given)}: they set the same "
+                                       "KV cache size")
+    if not given:
+        return None
+    name, value = given[0]
+    if name == "--gpu-memory-utilization":
+        if not 0 < value <= 0.95:
+            raise ConfigError(name, f"a fraction of free memory must be in (0, 0.95], got {value}")
+        return float(value)
+    size = parse_memory(name, value)
+    if name == "--kv-cache-memory-bytes" and not isinstance(size, int):
+        raise ConfigError(name, f"expected bytes like '2147483648' or '2GiB' (a fraction is "
+                                f"--gpu-memory-utilization), got {value!r}")
+    return size
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {
-        "model": args.model, "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
+        "model": model_argument(args), "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-        "kv_cache_memory": args.kv_cache_memory, "enable_prefix_caching": args.enable_prefix_caching,
+        "kv_cache_memory": kv_cache_memory(args), "enable_prefix_caching": args.enable_prefix_caching,
     }
     # The adapter fields only when given, so the flags stay optional on any engine version.
     for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
+    if args.enable_lora is False:
+        if args.max_loras:
+            raise ConfigError("--no-enable-lora", f"contradicts --max-loras {args.max_loras}")
+        overrides["max_loras"] = 0
     config = EngineConfig.from_env(**overrides)
+    if args.enable_lora and config.max_loras == 0:
+        raise ConfigError("--enable-lora", "needs at least one adapter slot (--max-loras >= 1; INFERENCE_MAX_LORAS is 0)")
     if not config.model_path.exists():
         hint = " (fetch the default model: python -m inference.models fetch)" if config.model_path.suffix == ".gguf" else ""
         raise ConfigError("model", f"{config.model_path} does not exist{hint}")
@@ -132,7 +247,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 0:
         raise ConfigError("--max-waiting-requests", f"must be >= 0, got {args.max_waiting_requests}")
     grace = shutdown_grace(args)
-    access = AccessConfig.from_env(admin_token=args.admin_token, portal_origins=args.portal_origins)
+    access = AccessConfig.from_env(admin_token=args.admin_token, portal_origins=args.portal_origins,
+                                   api_key=args.api_key)
     try:
         fetch = FetchSettings.from_env()
     except ValueError as exc:  # "INFERENCE_ADAPTER_MAX_BYTES: reason"
@@ -141,13 +257,16 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         config=engine_config(args),
         served_model_names=args.served_model_name or [],
-        lora_modules=_lora_modules(args.lora_modules),
+        lora_modules=_lora_modules(args.lora_modules, enabled=args.enable_lora is not False),
         max_waiting_requests=args.max_waiting_requests,
         access=access,
         fetch=fetch,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
+    if access.allow_runtime_lora_updating:
+        logging.getLogger("inference.server").info(
+            "INFERENCE_ALLOW_RUNTIME_LORA_UPDATING: adapters may be loaded and unloaded at run time")
     if access.admin_token is None:
         logging.getLogger("inference.server").warning(
             "no admin token: anyone who reaches this port may load and unload adapters "

@@ -12,8 +12,9 @@ Two faces over one request builder (Call) and one answer type (Reply):
     AsyncWorkerClient     async, for the gateway: one pooled client per event loop
                           (async_worker_client(); a connection belongs to the loop that opened it)
 A call never raises for the worker's sake: no answer is a Reply with `exception` set. Only the
-admin routes carry INFERENCE_ADMIN_TOKEN. trust_env=False everywhere: a worker on an internal
-address is never reached through a proxy; redirects are not followed.
+admin routes carry INFERENCE_ADMIN_TOKEN; every other call carries INFERENCE_API_KEY when set (the
+workers' --api-key, which they also accept the admin token for). trust_env=False everywhere: a
+worker on an internal address is never reached through a proxy; redirects are not followed.
 """
 
 from __future__ import annotations
@@ -92,10 +93,11 @@ class Call:
     admin: bool = False  # an admin route: carries the admin token
 
     def request(self, http: httpx.Client | httpx.AsyncClient, url: str, *, admin_token: str | None,
-                timeout: httpx.Timeout | float | None = None) -> httpx.Request:
+                timeout: httpx.Timeout | float | None = None, api_key: str | None = None) -> httpx.Request:
         headers = {}
-        if self.admin and admin_token:
-            headers["authorization"] = f"Bearer {admin_token}"
+        token = admin_token if self.admin and admin_token else api_key
+        if token:
+            headers["authorization"] = f"Bearer {token}"
         content = self.content
         if self.body is not None:
             content = json.dumps(self.body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -227,8 +229,10 @@ class WorkerClient:
     instance (safe to share between threads); close it, or use it as a context manager.
     `timeout`, when given, replaces every call's own."""
 
-    def __init__(self, *, admin_token: str | None = None, timeout: httpx.Timeout | float | None = None) -> None:
+    def __init__(self, *, admin_token: str | None = None, timeout: httpx.Timeout | float | None = None,
+                 api_key: str | None = None) -> None:
         self.admin_token = admin_token if admin_token is not None else settings.INFERENCE_ADMIN_TOKEN
+        self.api_key = api_key if api_key is not None else settings.INFERENCE_API_KEY
         self.timeout = timeout
         self._http = httpx.Client(trust_env=False, follow_redirects=False)
 
@@ -242,7 +246,8 @@ class WorkerClient:
         self._http.close()
 
     def send(self, url: str, call: Call) -> Reply:
-        request = call.request(self._http, url, admin_token=self.admin_token, timeout=self.timeout)
+        request = call.request(self._http, url, admin_token=self.admin_token, timeout=self.timeout,
+                               api_key=self.api_key)
         try:
             response = self._http.send(request)
         except httpx.HTTPError as exc:
@@ -325,7 +330,8 @@ class AsyncWorkerClient:
         return self._http.is_closed
 
     def _request(self, url: str, call: Call) -> httpx.Request:
-        return call.request(self._http, url, admin_token=settings.INFERENCE_ADMIN_TOKEN)
+        return call.request(self._http, url, admin_token=settings.INFERENCE_ADMIN_TOKEN,
+                            api_key=settings.INFERENCE_API_KEY)
 
     async def send(self, url: str, call: Call) -> Reply:
         try:

@@ -25,9 +25,10 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 from django.conf import settings
-from django.db.models import F
+from django.db.models import F, Min
 
 from portal.fleet.inflight import InflightSnapshot
 from portal.fleet.models import RESIDENT_TIERS, WORKER_STATES, InferenceWorker, normalize_worker_url
@@ -168,6 +169,12 @@ def base_model_name() -> str | None:
         .order_by(F("last_seen_at").desc(nulls_last=True)).values_list("base_model", flat=True).first()
     )
     return last
+
+
+def base_model_first_seen(name: str) -> datetime | None:
+    """When the fleet first knew a worker serving the base `name` (its earliest worker row that
+    reports it), or None when no row does."""
+    return InferenceWorker.objects.filter(base_model=name).aggregate(first=Min("created_at"))["first"]
 
 
 def base_model_config() -> dict | None:

@@ -82,6 +82,9 @@ def start_server(args: list[str], log_path: Path, timeout: float = 240, env: dic
         # function that takes none, to choose the port themselves.
         port = free_port() if host == LOOPBACK else free_port(host)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
+    # Tests stage adapters at run time, as the portal does (a bare worker has no load route, as in
+    # vLLM); a test passes INFERENCE_ALLOW_RUNTIME_LORA_UPDATING=false to see that.
+    environ["INFERENCE_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     environ.update(env or {})
     argv = [sys.executable, "-m", "inference", "serve", "--host", host, "--port", str(port), *args]
     return _launch(argv, environ, f"http://{host}:{port}", log_path, timeout)

@@ -38,7 +38,7 @@ def test_disconnect_mid_stream_frees_the_kv_cache(server, client):
     assert server.metric("vllm:kv_cache_usage_perc") > 0
     stream.close()  # the client goes away mid-stream
     _wait_for(lambda: _idle(server), timeout=10)
-    assert server.metric("vllm:request_success_total", finish_reason="abort") >= 1
+    assert server.metric("vllm:request_success_total", finished_reason="abort") >= 1
 
 
 async def test_a_full_worker_answers_503_with_retry_after_and_disconnects_free_everything(server):

@@ -164,7 +164,7 @@ def test_metrics_use_vllm_names(server, client):
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:request_success_total"):
         assert f"\n{name}" in text, name
-    assert server.metric("vllm:request_success_total", finish_reason="length") >= 1
+    assert server.metric("vllm:request_success_total", finished_reason="length") >= 1
     assert server.metric("vllm:generation_tokens_total") >= 2
 
 

@@ -69,7 +69,7 @@ def test_metrics_count_prefix_cache_tokens_the_vllm_way_and_per_adapter(lora_ser
     complete(lora_server, {"prompt": PROMPT, "cache_salt": "metrics", "model": "ad0"})
     complete(lora_server, {"prompt": PROMPT, "cache_salt": "metrics", "model": "ad0"})
     after = httpx.get(f"{lora_server.url}/metrics", timeout=10).text
-    model = f'model_name="{TINY}"'
+    model = f'engine="0",model_name="{TINY}"'
     assert "# TYPE vllm:prefix_cache_queries_total counter" in after
     queries = metric(after, "vllm:prefix_cache_queries_total", model) - metric(
         before, "vllm:prefix_cache_queries_total", model

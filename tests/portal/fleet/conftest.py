@@ -19,28 +19,28 @@ BASE = "smollm2"
 METRICS = """\
 # HELP vllm:time_to_first_token_seconds Time to first token.
 # TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="smollm2"} 3.0
-vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="smollm2"} 4.0
-vllm:time_to_first_token_seconds_count{model_name="smollm2"} 4.0
-vllm:time_to_first_token_seconds_sum{model_name="smollm2"} 0.52
-# HELP vllm:request_success_total Finished requests by finish reason.
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="smollm2"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="smollm2"} 4.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="smollm2"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="smollm2"} 0.52
+# HELP vllm:request_success_total Count of successfully processed requests.
 # TYPE vllm:request_success_total counter
-vllm:request_success_total{finish_reason="length",model_name="smollm2"} 4.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="smollm2"} 4.0
 # HELP loraplex:ready 1 once the model is loaded.
 # TYPE loraplex:ready gauge
 loraplex:ready{model_name="smollm2"} 1.0
 # HELP vllm:num_requests_running Requests in the running batch.
 # TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{model_name="smollm2"} {running}
+vllm:num_requests_running{engine="0",model_name="smollm2"} {running}
 # HELP vllm:num_requests_waiting Requests waiting to be admitted.
 # TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{model_name="smollm2"} {waiting}
+vllm:num_requests_waiting{engine="0",model_name="smollm2"} {waiting}
 # HELP vllm:kv_cache_usage_perc Fraction of KV-cache blocks in use (0..1).
 # TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{model_name="smollm2"} {kv}
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} {kv}
 # HELP vllm:prompt_tokens_total Prefilled prompt tokens.
 # TYPE vllm:prompt_tokens_total counter
-vllm:prompt_tokens_total{model_name="smollm2"} 812.0
+vllm:prompt_tokens_total{engine="0",model_name="smollm2"} 812.0
 # HELP vllm:lora_requests_info Adapters of running and waiting requests (value: scrape time).
 # TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{max_lora="4",running_lora_adapters="lora-a",waiting_lora_adapters=""} 1.7e+09
@@ -72,10 +72,10 @@ loraplex:lora_cache_loads_total 5.0
 loraplex:lora_cache_load_failures_total 0.0
 # HELP vllm:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.
 # TYPE vllm:prefix_cache_queries_total counter
-vllm:prefix_cache_queries_total{model_name="smollm2"} 4000.0
+vllm:prefix_cache_queries_total{engine="0",model_name="smollm2"} 4000.0
 # HELP vllm:prefix_cache_hits_total Prompt tokens found in the prefix cache (not computed).
 # TYPE vllm:prefix_cache_hits_total counter
-vllm:prefix_cache_hits_total{model_name="smollm2"} 3000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="smollm2"} 3000.0
 # HELP loraplex:memory_bytes Memory by use (bytes).
 # TYPE loraplex:memory_bytes gauge
 loraplex:memory_bytes{kind="base_weights"} 2.69e+08

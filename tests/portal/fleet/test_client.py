@@ -159,6 +159,29 @@ def test_reads_carry_the_token_only_to_the_adapter_listing(worker, settings):
     assert "authorization" not in worker.requests[-1][2]
 
 
+def test_with_the_workers_api_key_every_other_call_carries_it(worker, settings):
+    """A worker started with --api-key refuses calls without it; the admin token stands in for it
+    on the admin routes (one Authorization header per call)."""
+    settings.INFERENCE_API_KEY = "workers-api-key"
+    worker.answer("POST", worker_api.CHAT_COMPLETIONS, 200, {"choices": []})
+    with WorkerClient() as client:
+        client.get(worker.url, worker_api.MODELS)
+        client.get(worker.url, worker_api.ADAPTERS, admin=True)
+        client.unload_adapter(worker.url, "lora-1")
+
+    async def relay() -> None:
+        http = AsyncWorkerClient()
+        reply, stream = await http.open_completion(worker.url, path=worker_api.CHAT_COMPLETIONS, content=b"{}")
+        assert reply.ok and await stream.answer() == {"choices": []}
+        await http.base_model_name(worker.url)
+
+    asyncio.run(relay())
+    assert [(path, headers.get("authorization")) for _, path, headers, _ in worker.requests] == [
+        ("/v1/models", "Bearer workers-api-key"), ("/v1/adapters", f"Bearer {TOKEN}"),
+        ("/v1/unload_lora_adapter", f"Bearer {TOKEN}"), ("/v1/chat/completions", "Bearer workers-api-key"),
+        ("/v1/models", "Bearer workers-api-key")]
+
+
 def test_a_timeout_override_bounds_every_call(worker):
     worker.answer("GET", "/ready", 200, {"status": "ready"}, delay=1.0)
     start = time.monotonic()

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.django_db
 ROOT = Path(__file__).resolve().parents[3]
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB, RANK = 64, 128, 4, 2, 2, 300, 4
 TOKEN = "fleet-admin-token"
+API_KEY = "workers-api-key"  # the worker runs with --api-key, as `vllm serve --api-key` would
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def write_tiny_base(path: Path) -> Path:
@@ -89,13 +91,14 @@ def real_worker(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
+    env["INFERENCE_ALLOW_RUNTIME_LORA_UPDATING"] = "true"  # as deployed: the portal stages adapters
     log = tmp_path / "worker.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "inference", "serve", "--host", "127.0.0.1", "--port", str(port),
              "--model", str(base), "--served-model-name", "tiny", "--dtype", "float32",
              "--kv-cache-memory", "4MiB", "--max-num-seqs", "4", "--max-loras", "2",
-             "--lora-modules", f"fleet-ad={adapter}", "--admin-token", TOKEN],
+             "--lora-modules", f"fleet-ad={adapter}", "--admin-token", TOKEN, "--api-key", API_KEY],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
@@ -121,7 +124,12 @@ def test_poll_a_real_worker_then_see_it_die(real_worker, settings):
     url, proc = real_worker
     settings.INFERENCE_URLS = [url]
     settings.INFERENCE_ADMIN_TOKEN = TOKEN
+    settings.INFERENCE_API_KEY = None  # the portal not told the workers' API key: refused, and says why
 
+    [worker] = fleet_poll()
+    assert not worker.healthy and "INFERENCE_API_KEY" in worker.last_error, worker.last_error
+
+    settings.INFERENCE_API_KEY = API_KEY
     [worker] = fleet_poll()
 
     assert worker.healthy, worker.last_error
@@ -137,7 +145,7 @@ def test_poll_a_real_worker_then_see_it_die(real_worker, settings):
 
     # A request for the adapter puts it in a device slot; the next poll sees it there.
     response = httpx.post(f"{url}/v1/completions", json={"model": "fleet-ad", "prompt": "t5 t6 t7", "max_tokens": 2},
-                          timeout=30)
+                          headers=KEYED, timeout=30)
     assert response.status_code == 200, response.text
     [worker] = fleet_poll()
     assert worker.resident_adapters == {"fleet-ad": "device"}
@@ -145,7 +153,8 @@ def test_poll_a_real_worker_then_see_it_die(real_worker, settings):
     # The worker's adapter-cache counters come with the poll: one request, one hit.
     first = worker.cache_stats
     assert sum(first["hits"].values()) == 1 and first["misses"] <= 1 and first["load_failures"] == 0
-    httpx.post(f"{url}/v1/completions", json={"model": "fleet-ad", "prompt": "t5", "max_tokens": 1}, timeout=30)
+    httpx.post(f"{url}/v1/completions", json={"model": "fleet-ad", "prompt": "t5", "max_tokens": 1}, headers=KEYED,
+               timeout=30)
     [worker] = fleet_poll()
     assert worker.cache_stats["hits"]["device"] == first["hits"].get("device", 0) + 1  # still in its slot
 
