@@ -30,6 +30,8 @@ class MonthOverview:
     spend: Decimal
     budget_tokens: int | None  # None: unlimited
     budget_used_tokens: int
+    spend_limit: Decimal | None = None  # USD a month; None: no limit
+    spend_used: Decimal = Decimal(0)  # what admission counts against spend_limit
 
     @property
     def total_tokens(self) -> int:
@@ -41,6 +43,14 @@ class MonthOverview:
             return None
         return min(100, round(100 * self.budget_used_tokens / self.budget_tokens))
 
+    @property
+    def spend_percent(self) -> int | None:
+        if self.spend_limit is None:
+            return None
+        if not self.spend_limit:
+            return 100
+        return min(100, round(100 * self.spend_used / self.spend_limit))
+
 
 def month_overview(*, tenant: Tenant, now: datetime) -> MonthOverview:
     """Requests, tokens and spend of the current UTC month (the live ledger, priced like the
@@ -51,7 +61,8 @@ def month_overview(*, tenant: Tenant, now: datetime) -> MonthOverview:
     # Every request, refused ones too (the statement leaves out those that used no token).
     counts = UsageRecord.objects.filter(tenant=tenant, created_at__gte=start, created_at__lt=end).aggregate(
         requests=Count("id"), errors=Count("id", filter=ERROR_Q))
-    budget = quota_usage(tenant=tenant)["monthly_token_budget"]
+    usage = quota_usage(tenant=tenant)
+    budget, spend_limit = usage["monthly_token_budget"], usage["monthly_spend_limit"]
     return MonthOverview(
         period=statement.period,
         requests=counts["requests"],
@@ -61,6 +72,8 @@ def month_overview(*, tenant: Tenant, now: datetime) -> MonthOverview:
         spend=statement.total_cost,
         budget_tokens=budget["limit"],
         budget_used_tokens=max(int(budget["used"] or 0), statement.total_tokens),
+        spend_limit=spend_limit["limit"],
+        spend_used=max(spend_limit["used"], statement.total_cost),
     )
 
 

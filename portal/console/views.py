@@ -81,6 +81,8 @@ def overview(request: HttpRequest) -> HttpResponse:
     return _render(request, "console/overview.html", {
         "summary": summary,
         "spend": money(summary.spend),
+        "spend_limit": None if summary.spend_limit is None else money(summary.spend_limit),
+        "spend_used": money(summary.spend_used),
         "plan": plan_for(request.tenant.plan),
         "adapter_count": adapters.count(),
         "key_count": api_key_list(tenant=request.tenant, usable_only=True).count(),

@@ -8,6 +8,7 @@ from portal.core.metrics import QUOTA_REJECTIONS
 from portal.gateway import validation
 from portal.gateway.auth import Caller
 from portal.gateway.errors import GatewayError
+from portal.quotas.limits import MONTHLY_LIMITS
 from portal.quotas.services import Admission, QuotaExceeded, quota_admit
 
 # The output bound assumed for the quota estimate when the request sets none.
@@ -26,6 +27,9 @@ async def admit(*, caller: Caller, request_id: str, endpoint: str, body: dict) -
         headers["retry-after"] = str(max(1, int(exc.retry_after or 1)))
         if not exc.should_retry:
             headers["x-should-retry"] = "false"
-        kind = "insufficient_quota" if not exc.should_retry else (
-            "tokens" if "token" in str(exc.limit) else "requests")
+        if exc.limit in MONTHLY_LIMITS:
+            # The month's allowance (tokens or money) is spent: OpenAI's insufficient_quota.
+            raise GatewayError(429, exc.message, type="insufficient_quota", code="insufficient_quota",
+                               headers=headers) from None
+        kind = "tokens" if "token" in str(exc.limit) else "requests"
         raise GatewayError(429, exc.message, type=kind, code="rate_limit_exceeded", headers=headers) from None

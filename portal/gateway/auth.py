@@ -9,7 +9,7 @@ from portal.core.db import db_sync_to_async
 from portal.gateway import observe
 from portal.gateway.errors import invalid_api_key, missing_api_key, tenant_suspended
 from portal.keys.models import ApiKey
-from portal.keys.selectors import api_key_authenticate
+from portal.keys.selectors import api_key_authenticate, api_key_refusal_reason
 from portal.keys.services import api_key_record_use
 from portal.tenants.models import Tenant
 
@@ -34,9 +34,11 @@ def model_allowed(caller: Caller, public_id: str) -> bool:
     return public_id in allowed or public_id.split("@", 1)[0] in allowed
 
 
-def _authenticate(plaintext: str) -> ApiKey | None:
+def _authenticate(plaintext: str) -> ApiKey:
     api_key = api_key_authenticate(plaintext)
-    if api_key is not None and api_key.tenant.is_active:
+    if api_key is None:
+        raise invalid_api_key(api_key_refusal_reason(plaintext))
+    if api_key.tenant.is_active:
         api_key_record_use(api_key=api_key)
     return api_key
 
@@ -51,8 +53,6 @@ async def api_key_from_authorization(authorization: str | None) -> ApiKey:
     if scheme.lower() != "bearer" or not token:
         raise invalid_api_key()
     api_key = await db_sync_to_async(_authenticate)(token)
-    if api_key is None:
-        raise invalid_api_key()
     observe.tenant_authenticated(api_key.tenant.slug)
     if not api_key.tenant.is_active:
         raise tenant_suspended(api_key.tenant.slug)

@@ -8,6 +8,7 @@ Services raise GatewayError; views (HTTP) and the playground consumer (websocket
 from __future__ import annotations
 
 import logging
+import re
 
 import redis
 from django.db import InterfaceError, OperationalError
@@ -40,10 +41,13 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def invalid_api_key() -> GatewayError:
+def invalid_api_key(reason: str | None = None) -> GatewayError:
+    """401 for a secret that does not authenticate; `reason` when it is a key we know (revoked,
+    expired, rotated out past its grace period)."""
     return GatewayError(
         401,
-        "Incorrect API key provided. You can find your API keys in the portal.",
+        f"{reason} You can find your API keys in the portal." if reason
+        else "Incorrect API key provided. You can find your API keys in the portal.",
         code="invalid_api_key",
     )
 
@@ -75,14 +79,33 @@ def model_not_found(model: str) -> GatewayError:
 
 
 def no_worker(detail: str, *, retry_after: int | None = None) -> GatewayError:
+    """503: no worker took the request. `detail` (which workers failed and how: their addresses)
+    is for the operators' log only; the client is never told the fleet's internal addresses."""
+    log.info("no worker available: %s", detail)
     headers = {"retry-after": str(retry_after)} if retry_after else {}
     return GatewayError(
         503,
-        f"No inference worker could take the request; retry shortly. ({detail})",
+        "No inference worker could take the request; retry shortly.",
         type="service_unavailable",
         code="no_worker_available",
         headers=headers,
     )
+
+
+# What a worker's own message may carry about where things live: URLs, IPv4/IPv6 addresses,
+# host:port pairs. None of it is the client's business (portal.gateway.relay scrubs with it).
+_ADDRESS = re.compile(
+    r"[a-z][a-z0-9+.-]*://[^\s'\"<>)]+"  # a URL
+    r"|\[[0-9a-f:.]+\](?::\d+)?"  # [IPv6]:port
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # IPv4[:port]
+    r"|\b(?:localhost|[a-z0-9]+(?:[.-][a-z0-9]+)+):\d{2,5}\b",  # host:port (a dotted or hyphened host)
+    re.IGNORECASE,
+)
+
+
+def without_addresses(text: str) -> str:
+    """`text` with every URL, IP address and host:port replaced by "[internal]"."""
+    return _ADDRESS.sub("[internal]", text) if isinstance(text, str) else text
 
 
 def unexpected(exc: BaseException, *, request_id: str) -> GatewayError:

@@ -54,7 +54,8 @@ class Ledger:
     prompt_tokens: int | None = None  # None until the worker reported usage
     completion_tokens: int | None = None
     cached_prompt_tokens: int = 0  # of prompt_tokens, found in the worker's prefix cache
-    relayed_tokens: int = 0  # content chunks relayed: the count if the usage never arrives
+    relayed_tokens: int = 0  # content / tool-call chunks relayed: the count if the usage never arrives
+    constrained: str = ""  # validation.constraint_of the body: json_object, json_schema, tools or ""
     finish_reason: str = ""
     error: str = ""
     status_code: int = 200
@@ -113,6 +114,7 @@ class Ledger:
             prompt_tokens=prompt,
             completion_tokens=completion,
             cached_prompt_tokens=min(self.cached_prompt_tokens, prompt),
+            constrained=self.constrained,
             time_to_first_token_ms=(
                 (self.first_chunk_at - self.started) * 1000 if self.first_chunk_at is not None else None),
             latency_ms=(now - self.started) * 1000,

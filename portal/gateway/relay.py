@@ -40,7 +40,7 @@ from portal.fleet.inflight import inflight_snapshot
 from portal.fleet.selectors import route_candidates
 from portal.gateway import observe, validation
 from portal.gateway.auth import Caller
-from portal.gateway.errors import GatewayError, no_worker
+from portal.gateway.errors import GatewayError, no_worker, without_addresses
 from portal.gateway.ledger import Ledger, run_detached
 from portal.gateway.resolve import ModelTarget
 from portal.tenants.plans import plan_for
@@ -99,10 +99,11 @@ def prompt_prefix_key(payload: dict) -> str | None:
 
 
 def _scrub(text: Any, target: ModelTarget) -> Any:
-    """Worker messages name the adapter by its internal name; clients see the public id."""
+    """Worker messages name the adapter by its internal name; clients see the public id, and
+    never an internal address (a URL, IP or host:port the worker's message may carry)."""
     if isinstance(text, str) and target.version is not None:
-        return text.replace(target.worker_model, target.public_id)
-    return text
+        text = text.replace(target.worker_model, target.public_id)
+    return without_addresses(text)
 
 
 def _relayed(status: int, error: ErrorObject, target: ModelTarget) -> GatewayError:
@@ -269,8 +270,9 @@ class Completion:
                     yield chunk
             except StreamBroken as broken:
                 if not (broken.ended and ledger.error):  # a stream that reported its error may end so
-                    ledger.error = f"the inference worker failed mid-stream ({broken})"
-                    log.warning("%s: %s (%s)", self.request_id, ledger.error, ledger.worker_url)
+                    log.warning("%s: the inference worker failed mid-stream (%s) (%s)", self.request_id, broken,
+                                ledger.worker_url)
+                    ledger.error = without_addresses(f"the inference worker failed mid-stream ({broken})")
                     error_chunk = ErrorObject(ledger.error, type="server_error", code="worker_failed").to_json()
                     observe.stream_failed("worker_failed")
             if error_chunk is not None:
@@ -295,5 +297,5 @@ class Completion:
             if choice.get("finish_reason"):
                 ledger.finish_reason = str(choice["finish_reason"])
             delta = choice.get("delta")
-            if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
+            if choice.get("text") or (isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls"))):
                 ledger.relayed_tokens += 1

@@ -12,7 +12,7 @@ from portal.adapters.selectors import adapter_list_servable
 from portal.adapters.traffic import deployment_resolve
 from portal.core.db import db_sync_to_async
 from portal.fleet.client import async_worker_client
-from portal.fleet.selectors import base_model_name, route_candidates
+from portal.fleet.selectors import base_model_first_seen, base_model_name, route_candidates
 from portal.gateway.auth import Caller, model_allowed
 from portal.gateway.errors import model_not_found
 
@@ -28,6 +28,9 @@ class ModelTarget:
 
 # Before any poll has recorded a base model: (when learnt, name) asked of a worker directly.
 _base_cache: dict[str, tuple[float, str]] = {}
+# When this process first learnt each base name (unix seconds): the base's `created` in
+# /v1/models when no worker row reports it yet. Never forgotten, so it stays the same.
+_base_first_seen: dict[str, int] = {}
 
 
 def base_model_forget() -> None:
@@ -39,6 +42,7 @@ async def base_model() -> str | None:
     """The fleet's base model name: from the polled workers, else asked of a worker directly."""
     name = await db_sync_to_async(base_model_name)()
     if name:
+        _base_first_seen.setdefault(name, int(time.time()))
         return name
     cached = _base_cache.get("base")
     if cached and time.monotonic() - cached[0] < BASE_NAME_TTL:
@@ -48,8 +52,20 @@ async def base_model() -> str | None:
         name = await client.base_model_name(target.url)
         if name:
             _base_cache["base"] = (time.monotonic(), name)
+            _base_first_seen.setdefault(name, int(time.time()))
             return name
-    return None
+    # No worker answers: the name learnt last, however old, still names the base, so a request
+    # for it fails as the outage it is (503 no_worker_available), not as an unknown model (404).
+    return cached[1] if cached else None
+
+
+def _base_created(base: str) -> int:
+    """The base's `created`: when the fleet first had a worker serving it, else when this
+    process first learnt its name."""
+    first = base_model_first_seen(base)
+    if first is not None:
+        return int(first.timestamp())
+    return _base_first_seen.setdefault(base, int(time.time()))
 
 
 async def model_resolve(*, caller: Caller, model: str, request_id: str = "") -> ModelTarget:
@@ -70,7 +86,7 @@ def _models_list(caller: Caller, base: str | None) -> list[dict]:
     tenant = caller.tenant
     entries: list[dict] = []
     if base is not None:
-        entries.append({"id": base, "object": "model", "created": 0, "owned_by": "system"})
+        entries.append({"id": base, "object": "model", "created": _base_created(base), "owned_by": "system"})
     for adapter in adapter_list_servable(tenant=tenant).prefetch_related("versions"):
         created = int(adapter.created_at.timestamp())
         entries.append({"id": adapter.public_id, "object": "model", "created": created,

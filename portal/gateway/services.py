@@ -4,7 +4,8 @@ playground (portal.playground) call. Each step is a module of its own:
     auth      api_key_from_authorization: Bearer sk-... → usable ApiKey (401 invalid_api_key,
               403 tenant_suspended); Caller: a tenant and its key (none for a playground session)
     resolve   the model → the base or a ready adapter version (404 model_not_found); models_list
-    admit     quotas, from the estimated tokens (429 rate_limit_exceeded)
+    admit     quotas, from the estimated tokens (429 rate_limit_exceeded; 429 insufficient_quota
+              once a monthly token or money budget is spent)
     relay     route to a worker (next worker on failure before the first byte, lazy adapter load)
               → Completion: the JSON answer, or the chunks to relay
     ledger    the usage row and the quota settlement, written exactly once per request
@@ -26,7 +27,7 @@ import uuid
 from portal.gateway import observe, validation
 from portal.gateway.admit import admit
 from portal.gateway.auth import Caller, api_key_from_authorization
-from portal.gateway.errors import GatewayError, tenant_suspended, unexpected
+from portal.gateway.errors import GatewayError, tenant_suspended, unexpected, without_addresses
 from portal.gateway.ledger import Ledger
 from portal.gateway.relay import Completion, open_upstream, worker_payload
 from portal.gateway.resolve import model_resolve, models_list
@@ -58,7 +59,8 @@ async def completion_stream(*, caller: Caller, endpoint: str, body: dict, reques
     authentication is still written to the ledger once."""
     model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else ""
     ledger = Ledger(request_id=request_id, caller=caller, model=model,
-                    stream=isinstance(body, dict) and body.get("stream") is True)
+                    stream=isinstance(body, dict) and body.get("stream") is True,
+                    constrained=validation.constraint_of(body))
     streaming = False
     observe.pipeline_started()
     try:
@@ -95,7 +97,7 @@ async def completion_stream(*, caller: Caller, endpoint: str, body: dict, reques
     except Exception as exc:  # noqa: BLE001 -- the database or Redis failed us: 503 / 500, in JSON
         error = unexpected(exc, request_id=request_id)
         ledger.status_code = error.status
-        ledger.error = f"{error.message} ({type(exc).__name__}: {exc})"
+        ledger.error = without_addresses(f"{error.message} ({type(exc).__name__}: {exc})")  # tenants read it
         raise error from exc
     finally:
         if not streaming:

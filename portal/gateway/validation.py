@@ -3,8 +3,10 @@
 The gateway reads `model`, `messages`/`prompt`, `stream`, `stream_options`, `max_tokens`,
 `max_completion_tokens` and `n` (to resolve, estimate quota and relay), so those are checked
 here with OpenAI's strictness (no coercions: "5" is not an integer, 1 is not a boolean) and a
-400 naming the parameter. Every other sampling field passes through to the inference worker,
-which validates it strictly and answers its own 400 in the same shape.
+400 naming the parameter. Every other sampling field passes through to the inference worker
+untouched (response_format, tools, tool_choice, logit_bias... included), which validates it
+strictly and answers its own 400 in the same shape; constraint_of only reads the first three for
+the ledger.
 """
 
 from __future__ import annotations
@@ -84,14 +86,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _optional_positive_int(body: dict, name: str, *, maximum: int) -> int | None:
+def _optional_positive_int(body: dict, name: str, *, maximum: int, minimum: int = 1) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if not _is_int(value):
         raise bad(name, f"must be an integer, got {type(value).__name__}")
-    if value < 1:
-        raise bad(name, f"must be at least 1, got {value}")
+    if value < minimum:
+        raise bad(name, f"must be at least {minimum}, got {value}")
     if value > maximum:
         raise bad(name, f"must be at most {maximum}, got {value}")
     return value
@@ -169,7 +171,9 @@ def validate(endpoint: str, body: dict) -> dict:
         include = options.get("include_usage", False)
         if not isinstance(include, bool):
             raise bad("stream_options.include_usage", "must be a boolean")
-    _optional_positive_int(body, "max_tokens", maximum=MAX_OUTPUT_TOKENS)
+    # Completions take max_tokens 0 (with echo: the prompt is scored, nothing generated; the
+    # worker refuses it without echo), as vLLM does for evaluation harnesses.
+    _optional_positive_int(body, "max_tokens", maximum=MAX_OUTPUT_TOKENS, minimum=0 if endpoint == COMPLETIONS else 1)
     if endpoint == CHAT:
         _optional_positive_int(body, "max_completion_tokens", maximum=MAX_OUTPUT_TOKENS)
     n = _optional_positive_int(body, "n", maximum=MAX_CHOICES) or 1
@@ -179,6 +183,21 @@ def validate(endpoint: str, body: dict) -> dict:
         if name in body:
             raise bad(name, "is set by the gateway from your API key; do not send it")
     return body
+
+
+def constraint_of(body: Any) -> str:
+    """What the request asks to shape its answer, for the ledger (UsageRecord.constrained):
+    "tools" when tools are given and a call may be made (tool_choice other than "none"), else the
+    response_format type when it is "json_object" or "json_schema", else "". Reads any body, valid
+    or not: the worker validates these fields; a request it refuses is still marked."""
+    if not isinstance(body, dict):
+        return ""
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools and body.get("tool_choice") != "none":
+        return "tools"
+    response_format = body.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    return kind if kind in ("json_object", "json_schema") else ""
 
 
 def wants_stream(body: dict) -> bool:
@@ -191,11 +210,15 @@ def wants_usage_chunk(body: dict) -> bool:
 
 
 def max_output_tokens(body: dict, *, default: int) -> int:
-    return body.get("max_completion_tokens") or body.get("max_tokens") or default
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:  # 0 (completions with echo) is a bound too
+            return body[name]
+    return default
 
 
 def estimate_prompt_tokens(endpoint: str, body: dict) -> int:
-    """Prompt characters / 4 (a validated body): the quota estimate before the worker counts."""
+    """Prompt characters / 4 (a validated body; a chat's tool definitions included, which the
+    worker writes into the prompt): the quota estimate before the worker counts."""
     chars = 0
     if endpoint == CHAT:
         for message in body["messages"]:
@@ -205,6 +228,7 @@ def estimate_prompt_tokens(endpoint: str, body: dict) -> int:
             elif isinstance(content, list):
                 chars += sum(len(part["text"]) for part in content)
             chars += 8  # the template's role markers
+        chars += _tools_chars(body.get("tools"))
     else:
         prompt = body["prompt"]
         if isinstance(prompt, str):
@@ -214,6 +238,16 @@ def estimate_prompt_tokens(endpoint: str, body: dict) -> int:
         else:
             chars = sum(len(p) if isinstance(p, str) else 4 * len(p) for p in prompt)
     return chars // 4
+
+
+def _tools_chars(tools: Any) -> int:
+    """The tool definitions' JSON length: the worker writes them into the prompt."""
+    if not isinstance(tools, list) or not tools:
+        return 0
+    try:
+        return len(json.dumps(tools, separators=(",", ":")))
+    except (TypeError, ValueError, RecursionError):
+        return 0
 
 
 def estimate_tokens(endpoint: str, body: dict, *, default_max_tokens: int) -> int:

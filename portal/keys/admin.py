@@ -41,7 +41,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
     ]
     list_filter = ["tenant"]
     search_fields = ["name", "prefix", "tenant__slug"]
-    readonly_fields = ["display_prefix", "created_by", "created_at", "revoked_at", "last_used_at"]
+    readonly_fields = ["display_prefix", "created_by", "created_at", "revoked_at", "last_used_at", "rotated_at",
+                       "previous_valid_until"]
     actions = ["revoke"]
 
     def get_readonly_fields(self, request, obj=None):

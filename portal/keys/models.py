@@ -30,6 +30,11 @@ class ApiKey(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
     # None: any model the tenant may use; a list: only these public model ids.
     allowed_models = models.JSONField(null=True, blank=True, default=None)
+    # After a rotation the secret it replaced still authenticates until previous_valid_until
+    # (the grace period), so clients can be switched over without an outage.
+    previous_secret_hash = models.CharField(max_length=64, null=True, blank=True, db_index=True, editable=False)
+    previous_valid_until = models.DateTimeField(null=True, blank=True, editable=False)
+    rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["tenant__slug", "-created_at"]

@@ -2,15 +2,19 @@
 run one chat at a time through the gateway pipeline (playground.services), forward its
 deltas, and cancel it on request or disconnect.
 
-Client → server:  {"type": "chat", "model", "messages", "max_tokens"?, "temperature"?}
+Client → server:  {"type": "chat", "model", "messages", "max_tokens"?, "temperature"?,
+                   "json_schema"?, "tools"?, "tool_choice"?}   (the last three: the boxes' text,
+                                                            see services.playground_constraints)
                   {"type": "cancel"}
 Server → client:  {"type": "ready", "tenant"}
                   {"type": "start", "request_id", "model"}
                   {"type": "delta", "text"}               (model output: plain text, never markup)
+                  {"type": "tool_calls", "tool_calls": [{"id", "type", "function": {"name", "arguments"}}]}
+                                                          (reassembled from the stream's deltas)
                   {"type": "usage", "prompt_tokens", "completion_tokens"}
                   {"type": "done", "request_id", "finish_reason", "ttft_ms", "tokens_per_second"}
                   {"type": "cancelled", "request_id"}
-                  {"type": "error", "status", "code", "message"}
+                  {"type": "error", "status", "code", "message", "param"?}
 Refused connections close with 4401 (no session) or 4404 (not a member, unknown tenant).
 """
 
@@ -26,7 +30,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from portal.gateway.errors import GatewayError
 from portal.gateway.services import new_request_id
-from portal.playground.services import playground_completion_stream
+from portal.playground.services import playground_completion_stream, playground_constraints
 from portal.tenants.models import Membership
 from portal.tenants.selectors import membership_get, tenant_get_by_slug
 
@@ -96,6 +100,12 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             await self._error(403, "read_only", "viewers cannot run generations in this tenant")
             return
         body = {name: content[name] for name in CHAT_FIELDS if name in content}
+        try:
+            body.update(playground_constraints(json_schema=content.get("json_schema"), tools=content.get("tools"),
+                                               tool_choice=content.get("tool_choice")))
+        except GatewayError as exc:  # a box that is not JSON: said in the page, nothing sent
+            await self._error(exc.status, exc.code, exc.message, exc.param)
+            return
         self.request_id = new_request_id()
         self.task = asyncio.create_task(self._generate(body, self.request_id))
 
@@ -116,19 +126,23 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             await task
         return True
 
-    async def _error(self, status: int, code: str | None, message: str) -> None:
-        await self.send_json({"type": "error", "status": status, "code": code, "message": message})
+    async def _error(self, status: int, code: str | None, message: str, param: str | None = None) -> None:
+        error = {"type": "error", "status": status, "code": code, "message": message}
+        if param is not None:
+            error["param"] = param
+        await self.send_json(error)
 
     async def _generate(self, body: dict, request_id: str) -> None:
         started = time.monotonic()
         first: float | None = None
         tokens = 0
         finish_reason = None
+        tool_calls: dict[int, dict] = {}  # by the deltas' index
         try:
             completion = await playground_completion_stream(
                 tenant=self.membership.tenant, body=body, request_id=request_id)
         except GatewayError as exc:
-            await self._error(exc.status, exc.code, exc.message)
+            await self._error(exc.status, exc.code, exc.message, exc.param)
             return
         except Exception:  # the ledger row is written (status 500); the page must not hang
             log.exception("playground request %s failed", request_id)
@@ -149,13 +163,16 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
                                               "completion_tokens": usage.get("completion_tokens")})
                     for choice in chunk.get("choices") or []:
                         finish_reason = choice.get("finish_reason") or finish_reason
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            if first is None:
-                                first = time.monotonic()
-                            await self.send_json({"type": "delta", "text": text})
+                        delta = choice.get("delta") or {}
+                        if (delta.get("content") or delta.get("tool_calls")) and first is None:
+                            first = time.monotonic()
+                        _gather_tool_calls(tool_calls, delta.get("tool_calls"))
+                        if delta.get("content"):
+                            await self.send_json({"type": "delta", "text": delta["content"]})
         finally:
             await completion.aclose()  # a no-op once the chunks started: they write the ledger
+        if tool_calls:
+            await self.send_json({"type": "tool_calls", "tool_calls": [tool_calls[i] for i in sorted(tool_calls)]})
         now = time.monotonic()
         decode = now - first if first is not None else 0.0
         await self.send_json({
@@ -163,3 +180,19 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             "ttft_ms": round((first - started) * 1000, 1) if first is not None else None,
             "tokens_per_second": round((tokens - 1) / decode, 1) if tokens > 1 and decode > 0 else None,
         })
+
+
+def _gather_tool_calls(calls: dict[int, dict], deltas) -> None:
+    """Fold one chunk's tool-call deltas into `calls`, as the OpenAI SDK reassembles them: the
+    first delta of a call carries its id and name, the next ones pieces of its arguments."""
+    for piece in deltas if isinstance(deltas, list) else ():
+        if not isinstance(piece, dict):
+            continue
+        index = piece.get("index") if isinstance(piece.get("index"), int) else len(calls)
+        call = calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        if isinstance(piece.get("id"), str):
+            call["id"] = piece["id"]
+        function = piece.get("function") if isinstance(piece.get("function"), dict) else {}
+        for name in ("name", "arguments"):
+            if isinstance(function.get(name), str):
+                call["function"][name] += function[name]

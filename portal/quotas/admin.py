@@ -11,6 +11,7 @@ class QuotaAdmin(admin.ModelAdmin):
         "tokens_per_minute",
         "max_concurrent_requests",
         "monthly_token_budget",
+        "monthly_spend_limit",
         "updated_at",
     ]
     list_select_related = ["tenant", "api_key__tenant"]
@@ -26,9 +27,11 @@ class QuotaAdmin(admin.ModelAdmin):
                     "tokens_per_minute",
                     "max_concurrent_requests",
                     "monthly_token_budget",
+                    "monthly_spend_limit",
                 ],
                 "description": "Empty: a tenant's row falls back to its plan's limit; "
-                "a key's row puts no key-level limit (the tenant's still apply).",
+                "a key's row puts no key-level limit (the tenant's still apply). "
+                "The spend limit is in USD a month, priced like the statement.",
             },
         ),
     ]

@@ -20,11 +20,13 @@ from portal.quotas.redis_backend import RedisQuotaBackend
 
 class QuotaBackend(Protocol):
     async def admit(
-        self, *, scopes: tuple[ScopeSpec, ...], request_id: str, estimated_tokens: int, clock: Clock
+        self, *, scopes: tuple[ScopeSpec, ...], request_id: str, estimated_tokens: int, clock: Clock,
+        estimated_spend: int = 0,
     ) -> AdmitOutcome: ...
 
-    async def settle(self, *, ticket: SettleTicket, actual_tokens: int, clock: Clock) -> bool:
-        """Correct the estimate and free the slots; False when the ticket was already settled."""
+    async def settle(self, *, ticket: SettleTicket, actual_tokens: int, clock: Clock, actual_spend: int = 0) -> bool:
+        """Correct the estimates (tokens, spend units) and free the slots; False when the ticket
+        was already settled."""
         ...
 
     def snapshot(self, *, scope: ScopeSpec, clock: Clock) -> ScopeState:

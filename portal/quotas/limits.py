@@ -8,9 +8,11 @@ its own Quota row). Each scope has four limits (None = unlimited) and three coun
   never disagree on it);
 - the in-flight requests, one member per request scored by the time its lease runs out, so a
   slot held by a crashed gateway frees itself;
-- the tokens taken this UTC calendar month.
+- the tokens taken this UTC calendar month;
+- the money spent this UTC calendar month, in SPEND_UNITS (nano-USD) priced by the tenant's plan.
 
-Estimated tokens are taken at admission and corrected to the actual usage at settlement.
+Estimated tokens (and their estimated cost) are taken at admission and corrected to the actual
+usage at settlement.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import ROUND_CEILING, Decimal
 
 wall_clock = time.time  # the one clock of the quota code; tests replace it
 WINDOW_MS = 60_000
@@ -30,8 +33,25 @@ REQUESTS_PER_MINUTE = "requests_per_minute"
 TOKENS_PER_MINUTE = "tokens_per_minute"
 MAX_CONCURRENT_REQUESTS = "max_concurrent_requests"
 MONTHLY_TOKEN_BUDGET = "monthly_token_budget"
+MONTHLY_SPEND_LIMIT = "monthly_spend_limit"
 # Codes the Lua script returns for a refusal, in the same order.
-LIMIT_CODES = (REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE, MAX_CONCURRENT_REQUESTS, MONTHLY_TOKEN_BUDGET)
+LIMIT_CODES = (REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE, MAX_CONCURRENT_REQUESTS, MONTHLY_TOKEN_BUDGET,
+               MONTHLY_SPEND_LIMIT)
+# Limits a refusal of which means the month's allowance is spent (OpenAI's insufficient_quota).
+MONTHLY_LIMITS = (MONTHLY_TOKEN_BUDGET, MONTHLY_SPEND_LIMIT)
+# Money is counted in whole nano-USD: exact for any price per 1M tokens with up to 3 decimals,
+# and 2^63 of them is 9 billion USD, so a Redis integer counter never overflows.
+SPEND_UNITS_PER_USD = 10**9
+
+
+def spend_units(amount: Decimal) -> int:
+    """An amount in USD as whole spend units, rounded up (a fraction of a unit is still spent)."""
+    return int((Decimal(amount) * SPEND_UNITS_PER_USD).to_integral_value(rounding=ROUND_CEILING))
+
+
+def spend_amount(units: int) -> Decimal:
+    """Spend units back to USD (exact)."""
+    return Decimal(units) / SPEND_UNITS_PER_USD
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,7 @@ class ScopeSpec:
     tokens_per_minute: int | None
     max_concurrent_requests: int | None
     monthly_token_budget: int | None
+    monthly_spend_limit: Decimal | None = None  # USD
 
     def window_key(self) -> str:
         return f"{self.prefix}:window"
@@ -55,6 +76,9 @@ class ScopeSpec:
     def month_key(self, month: str) -> str:
         return f"{self.prefix}:month:{month}"
 
+    def spend_key(self, month: str) -> str:
+        return f"{self.prefix}:spend:{month}"
+
     def limit_args(self) -> list[int]:
         return [
             UNLIMITED if value is None else value
@@ -64,7 +88,7 @@ class ScopeSpec:
                 self.max_concurrent_requests,
                 self.monthly_token_budget,
             )
-        ]
+        ] + [UNLIMITED if self.monthly_spend_limit is None else spend_units(self.monthly_spend_limit)]
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,7 @@ class ScopeState:
     tokens: int
     in_flight: int
     month_tokens: int
+    month_spend: int = 0  # spend units (nano-USD)
 
 
 @dataclass(frozen=True)
@@ -101,6 +126,7 @@ class SettleTicket:
     estimated_tokens: int
     month: str
     scopes: tuple[tuple[str, int], ...]  # (scope prefix, window start the estimate went into)
+    estimated_spend: int = 0  # spend units taken at admission
 
 
 @dataclass(frozen=True)

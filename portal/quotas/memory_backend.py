@@ -41,9 +41,10 @@ def check_scope(
     state: ScopeState,
     estimated_tokens: int,
     clock: Clock,
+    estimated_spend: int = 0,
 ) -> list[Refusal]:
     """Every limit of one scope the request would break (the same checks as ADMIT_LUA)."""
-    rpm, tpm, cap, budget = limits
+    rpm, tpm, cap, budget, spend_limit = limits
     window_reset = state.window_start_ms + WINDOW_MS - clock.now_ms
     refusals = []
     if rpm != UNLIMITED and state.requests + 1 > rpm:
@@ -54,6 +55,8 @@ def check_scope(
         refusals.append(Refusal(index, LIMIT_CODES[2], CONCURRENCY_RETRY_MS, cap == 0))
     if budget != UNLIMITED and state.month_tokens + estimated_tokens > budget:
         refusals.append(Refusal(index, LIMIT_CODES[3], clock.ms_to_next_month, True))
+    if spend_limit != UNLIMITED and state.month_spend + estimated_spend > spend_limit:
+        refusals.append(Refusal(index, LIMIT_CODES[4], clock.ms_to_next_month, True))
     return refusals
 
 
@@ -83,7 +86,8 @@ class MemoryQuotaBackend:
             self._settled.clear()
 
     async def admit(
-        self, *, scopes: tuple[ScopeSpec, ...], request_id: str, estimated_tokens: int, clock: Clock
+        self, *, scopes: tuple[ScopeSpec, ...], request_id: str, estimated_tokens: int, clock: Clock,
+        estimated_spend: int = 0,
     ) -> AdmitOutcome:
         with self._lock:
             self._maybe_sweep(clock.now_ms)
@@ -96,27 +100,32 @@ class MemoryQuotaBackend:
                     state=state,
                     estimated_tokens=estimated_tokens,
                     clock=clock,
+                    estimated_spend=estimated_spend,
                 )
             refusal = choose_refusal(refusals)
             if refusal is not None:
                 return AdmitOutcome(tuple(states), refusal)
             return AdmitOutcome(
                 tuple(
-                    self._take(scope, state, request_id, estimated_tokens, clock)
+                    self._take(scope, state, request_id, estimated_tokens, clock, estimated_spend)
                     for scope, state in zip(scopes, states, strict=True)
                 ),
                 None,
             )
 
-    async def settle(self, *, ticket: SettleTicket, actual_tokens: int, clock: Clock) -> bool:
+    async def settle(self, *, ticket: SettleTicket, actual_tokens: int, clock: Clock, actual_spend: int = 0) -> bool:
         now = clock.now_ms
         delta = actual_tokens - ticket.estimated_tokens
+        spend_delta = actual_spend - ticket.estimated_spend
         with self._lock:
             if self._settled.get(ticket.settled_key, 0) > now:
                 return False
             self._settled[ticket.settled_key] = now + SETTLED_TTL_MS
             for prefix, window_start in ticket.scopes:
                 self._leases.get(f"{prefix}:inflight", {}).pop(ticket.request_id, None)
+                spent = self._counters.get(f"{prefix}:spend:{ticket.month}")
+                if spend_delta and spent is not None and spent[1] > now:
+                    spent[0] = max(0, spent[0] + spend_delta)
                 if delta == 0:
                     continue
                 window = self._windows.get(f"{prefix}:window")
@@ -143,10 +152,12 @@ class MemoryQuotaBackend:
             del leases[request_id]
         counter = self._counters.get(scope.month_key(clock.month))
         month_tokens = counter[0] if counter is not None and counter[1] > now else 0
-        return ScopeState(start, requests, tokens, len(leases), month_tokens)
+        spent = self._counters.get(scope.spend_key(clock.month))
+        month_spend = spent[0] if spent is not None and spent[1] > now else 0
+        return ScopeState(start, requests, tokens, len(leases), month_tokens, month_spend)
 
     def _take(
-        self, scope: ScopeSpec, state: ScopeState, request_id: str, tokens: int, clock: Clock
+        self, scope: ScopeSpec, state: ScopeState, request_id: str, tokens: int, clock: Clock, spend: int
     ) -> ScopeState:
         now = clock.now_ms
         taken = ScopeState(
@@ -155,6 +166,7 @@ class MemoryQuotaBackend:
             state.tokens + tokens,
             state.in_flight + 1,
             state.month_tokens + tokens,
+            state.month_spend + spend,
         )
         self._windows[scope.window_key()] = [taken.window_start_ms, taken.requests, taken.tokens]
         self._leases.setdefault(scope.lease_key(), {})[request_id] = now + lease_ms()
@@ -162,6 +174,7 @@ class MemoryQuotaBackend:
             taken.month_tokens,
             now + month_counter_ttl_ms(clock),
         ]
+        self._counters[scope.spend_key(clock.month)] = [taken.month_spend, now + month_counter_ttl_ms(clock)]
         return taken
 
     def _maybe_sweep(self, now: int) -> None:

@@ -1,4 +1,7 @@
+from decimal import Decimal
+
 from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
@@ -10,7 +13,9 @@ LIMIT_FIELDS = (
     "tokens_per_minute",
     "max_concurrent_requests",
     "monthly_token_budget",
+    "monthly_spend_limit",
 )
+SPEND_DECIMAL_PLACES = 6  # micro-USD: fine enough for one small request's cost
 
 
 class Quota(models.Model):
@@ -30,6 +35,11 @@ class Quota(models.Model):
     tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True)
     max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
     monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    # In the plan's currency (USD, portal/tenants/plans.py), priced like the monthly statement.
+    monthly_spend_limit = models.DecimalField(
+        max_digits=18, decimal_places=SPEND_DECIMAL_PLACES, null=True, blank=True,
+        validators=[MinValueValidator(Decimal(0))],
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -6,11 +6,11 @@ from django.db.models import Q
 
 from portal.keys.models import ApiKey
 from portal.quotas.backends import get_backend
-from portal.quotas.limits import LIMIT_CODES, WINDOW_MS, Clock, ScopeSpec
+from portal.quotas.limits import LIMIT_CODES, WINDOW_MS, Clock, ScopeSpec, spend_amount
 from portal.quotas.models import LIMIT_FIELDS, Quota
 from portal.quotas.runtime import key_prefix
 from portal.tenants.models import Tenant
-from portal.tenants.plans import plan_for
+from portal.tenants.plans import CURRENCY, plan_for
 
 
 def tenant_prefix(tenant_id: int) -> str:
@@ -62,14 +62,16 @@ def quota_usage(*, tenant: Tenant, api_key: ApiKey | None = None) -> dict:
 
     {"scope": "tenant", "requests_per_minute": {"used", "limit", "resets_in_seconds"},
      "tokens_per_minute": {...}, "max_concurrent_requests": {"used", "limit"},
-     "monthly_token_budget": {"used", "limit", "month", "resets_at"}}; limit None = unlimited.
+     "monthly_token_budget": {"used", "limit", "month", "resets_at"},
+     "monthly_spend_limit": {"used", "limit" (Decimal USD), "currency", "month", "resets_at"}};
+    limit None = unlimited.
     """
     clock = Clock.now()
     scopes = quota_scopes(tenant=tenant, api_key=api_key)
     scope = scopes[-1] if api_key is not None else scopes[0]
     state = get_backend().snapshot(scope=scope, clock=clock)
     resets_in = max(0, state.window_start_ms + WINDOW_MS - clock.now_ms) / 1000 if state.requests else 0
-    rpm, tpm, concurrent, budget = LIMIT_CODES
+    rpm, tpm, concurrent, budget, spend = LIMIT_CODES
     return {
         "scope": scope.scope,
         rpm: {"used": state.requests, "limit": scope.requests_per_minute, "resets_in_seconds": resets_in},
@@ -78,6 +80,13 @@ def quota_usage(*, tenant: Tenant, api_key: ApiKey | None = None) -> dict:
         budget: {
             "used": state.month_tokens,
             "limit": scope.monthly_token_budget,
+            "month": clock.month,
+            "resets_at": clock.next_month.isoformat(),
+        },
+        spend: {
+            "used": spend_amount(state.month_spend),
+            "limit": scope.monthly_spend_limit,
+            "currency": CURRENCY,
             "month": clock.month,
             "resets_at": clock.next_month.isoformat(),
         },

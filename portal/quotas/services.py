@@ -8,11 +8,16 @@
 
 quota_admit raises QuotaExceeded (nothing taken) when any limit of the tenant or of the key
 would be broken; its .headers are the full set for the 429 response.
+
+Money (monthly_spend_limit, USD) is priced from the tenant's plan like the monthly statement
+(portal.usage.billing.token_cost): at admission the estimate at the dearer of the two prices,
+at settlement the exact cost of the prompt and completion tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 from django.db import transaction
 
@@ -22,6 +27,7 @@ from portal.keys.models import ApiKey
 from portal.quotas.backends import get_backend
 from portal.quotas.limits import (
     MAX_CONCURRENT_REQUESTS,
+    MONTHLY_SPEND_LIMIT,
     MONTHLY_TOKEN_BUDGET,
     REQUESTS_PER_MINUTE,
     TOKENS_PER_MINUTE,
@@ -33,10 +39,14 @@ from portal.quotas.limits import (
     SettleTicket,
     format_duration,
     retry_after_seconds,
+    spend_amount,
+    spend_units,
 )
 from portal.quotas.models import LIMIT_FIELDS, Quota
 from portal.quotas.selectors import quota_scopes, quota_usage, tenant_prefix
 from portal.tenants.models import Tenant
+from portal.tenants.plans import CURRENCY, plan_for
+from portal.usage.billing import token_cost
 
 __all__ = [
     "Admission",
@@ -60,10 +70,13 @@ class Admission:
     estimated_tokens: int
     headers: dict[str, str]  # x-ratelimit-* for the response
     ticket: SettleTicket = field(repr=False)
+    # USD per 1M prompt and completion tokens at admission: settlement prices with these
+    prices: tuple[Decimal, Decimal] = (Decimal(0), Decimal(0))
 
 
 class QuotaExceeded(Exception):
-    """A limit would be broken; nothing was taken. Map to 429 rate_limit_exceeded."""
+    """A limit would be broken; nothing was taken. Map to 429: rate_limit_exceeded, or
+    insufficient_quota for a monthly limit (limits.MONTHLY_LIMITS)."""
 
     def __init__(
         self,
@@ -96,8 +109,12 @@ async def quota_admit(
     _check_count("estimated_tokens", estimated_tokens)
     scopes = await db_sync_to_async(quota_scopes)(tenant=tenant, api_key=api_key)
     clock = Clock.now()
+    plan = plan_for(tenant.plan)
+    prices = (plan.prompt_price_per_million, plan.completion_price_per_million)
+    estimated_spend = spend_units(token_cost(estimated_tokens, max(prices)))
     outcome = await get_backend().admit(
-        scopes=scopes, request_id=request_id, estimated_tokens=estimated_tokens, clock=clock
+        scopes=scopes, request_id=request_id, estimated_tokens=estimated_tokens, clock=clock,
+        estimated_spend=estimated_spend,
     )
     headers = ratelimit_headers(scopes=scopes, states=outcome.states, clock=clock)
     if outcome.refusal is not None:
@@ -106,6 +123,7 @@ async def quota_admit(
             scopes=scopes,
             states=outcome.states,
             estimated_tokens=estimated_tokens,
+            estimated_spend=estimated_spend,
             headers=headers,
             clock=clock,
         )
@@ -124,7 +142,9 @@ async def quota_admit(
                 (scope.prefix, state.window_start_ms)
                 for scope, state in zip(scopes, outcome.states, strict=True)
             ),
+            estimated_spend=estimated_spend,
         ),
+        prices=prices,
     )
 
 
@@ -136,10 +156,12 @@ async def quota_settle(*, admission: Admission, prompt_tokens: int, completion_t
     """
     _check_count("prompt_tokens", prompt_tokens)
     _check_count("completion_tokens", completion_tokens)
+    prompt_price, completion_price = admission.prices
     return await get_backend().settle(
         ticket=admission.ticket,
         actual_tokens=prompt_tokens + completion_tokens,
         clock=Clock.now(),
+        actual_spend=spend_units(token_cost(prompt_tokens, prompt_price) + token_cost(completion_tokens, completion_price)),
     )
 
 
@@ -155,7 +177,9 @@ def quota_set(*, tenant: Tenant | None = None, api_key: ApiKey | None = None, **
     quota = quota or Quota(tenant=tenant, api_key=api_key)
     for name in LIMIT_FIELDS:
         value = limits.get(name)
-        if value is not None:
+        if value is not None and name == MONTHLY_SPEND_LIMIT:
+            value = _check_amount(name, value)
+        elif value is not None:
             _check_count(name, value)
         setattr(quota, name, value)
     full_clean_or_raise(quota)
@@ -200,6 +224,7 @@ def _exceeded(
     scopes: tuple[ScopeSpec, ...],
     states: tuple[ScopeState, ...],
     estimated_tokens: int,
+    estimated_spend: int,
     headers: dict[str, str],
     clock: Clock,
 ) -> QuotaExceeded:
@@ -227,6 +252,13 @@ def _exceeded(
             f"Too many concurrent requests for {scope.label}: limit {limit} in flight, "
             f"{state.in_flight} running. Please try again in {wait}, when one has finished."
         )
+    elif refusal.limit == MONTHLY_SPEND_LIMIT:
+        message = (
+            f"You exceeded your current quota: the monthly spend limit of {scope.label} is "
+            f"{_usd(limit)} {CURRENCY}, {_usd(spend_amount(state.month_spend))} {CURRENCY} is spent "
+            f"and this request may cost up to {_usd(spend_amount(estimated_spend))} {CURRENCY}. "
+            f"The limit resets at {clock.next_month.strftime('%Y-%m-%dT%H:%M:%SZ')}."
+        )
     else:
         assert refusal.limit == MONTHLY_TOKEN_BUDGET
         message = (
@@ -251,6 +283,26 @@ def _exceeded(
 def _check_request_id(request_id: str) -> None:
     if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH:
         raise InvalidInput("request_id", f"must be 1-{MAX_REQUEST_ID_LENGTH} characters")
+
+
+def _usd(amount: Decimal) -> str:
+    """An amount with at least cents and at most micro-USD, trailing zeros dropped past cents."""
+    text = f"{Decimal(amount).quantize(Decimal('0.000001')):f}".rstrip("0")
+    whole, _, fraction = text.partition(".")
+    return f"{whole}.{fraction.ljust(2, '0')}"
+
+
+def _check_amount(name: str, value) -> Decimal:
+    """A money limit: a Decimal, int or numeric string >= 0 (floats are refused: 0.1 is not exact)."""
+    if isinstance(value, bool) or not isinstance(value, Decimal | int | str):
+        raise InvalidInput(name, f"must be an amount in {CURRENCY} (a decimal string such as \"25.00\"), got {value!r}")
+    try:
+        amount = Decimal(value)
+    except ArithmeticError:
+        raise InvalidInput(name, f"not an amount: {value!r}") from None
+    if not amount.is_finite() or amount < 0:
+        raise InvalidInput(name, f"must be an amount >= 0, got {value!r}")
+    return amount
 
 
 def _check_count(name: str, value: int) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
+CURRENCY = "USD"  # of every price and money limit below
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -20,6 +22,7 @@ class Plan:
     completion_price_per_million: Decimal  # USD per 1M completion tokens
     always_warm_adapters: int  # adapters the tenant may pin on the workers
     scheduling_weight: float  # the tenant's share in the workers' fair scheduling (tenant_weight)
+    monthly_spend_limit: Decimal | None = None  # USD a month, priced like the statement; None: no limit
 
 
 PLANS: dict[str, Plan] = {

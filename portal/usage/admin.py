@@ -25,6 +25,7 @@ class UsageRecordAdmin(ReadOnlyAdmin):
         "prompt_tokens",
         "completion_tokens",
         "cached_prompt_tokens",
+        "constrained",
         "time_to_first_token_ms",
         "latency_ms",
         "status_code",
@@ -32,7 +33,8 @@ class UsageRecordAdmin(ReadOnlyAdmin):
         "client_disconnected",
         "request_id",
     )
-    list_filter = ("tenant", "model", ("created_at", admin.DateFieldListFilter), "status_code", "client_disconnected", "stream")
+    list_filter = ("tenant", "model", ("created_at", admin.DateFieldListFilter), "status_code", "client_disconnected", "stream",
+                   "constrained")
     search_fields = ("request_id", "model", "tenant__slug", "error")
     date_hierarchy = "created_at"
     list_select_related = ("tenant",)

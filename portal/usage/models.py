@@ -24,6 +24,14 @@ FINISH_REASON_MAX_LENGTH = 32
 
 
 class UsageRecord(models.Model):
+    class Constrained(models.TextChoices):
+        """What shaped the answer beyond sampling (set by the gateway from the request body)."""
+
+        NONE = "", "none"
+        JSON_OBJECT = "json_object", "JSON object"
+        JSON_SCHEMA = "json_schema", "JSON schema"
+        TOOLS = "tools", "tool call"
+
     # The gateway's x-request-id; unique, which is what makes the write exactly-once.
     request_id = models.CharField(max_length=REQUEST_ID_MAX_LENGTH, unique=True)
     # PROTECT: the ledger is what the tenant is billed from; it outlives nothing by accident.
@@ -42,6 +50,10 @@ class UsageRecord(models.Model):
     # Of prompt_tokens, those the worker found in its prefix cache (its
     # usage.prompt_tokens_details.cached_tokens): not computed again, the basis of a cheaper rate.
     cached_prompt_tokens = models.PositiveIntegerField(default=0)
+    # The request asked for structured output (response_format json_object / json_schema) or a
+    # forced tool call: its tokens were masked by a grammar, which costs the worker more per token.
+    constrained = models.CharField(max_length=16, choices=Constrained.choices, default=Constrained.NONE,
+                                   blank=True)
     time_to_first_token_ms = models.FloatField(null=True, blank=True)
     latency_ms = models.FloatField(default=0.0)
     finish_reason = models.CharField(max_length=FINISH_REASON_MAX_LENGTH, blank=True)

@@ -49,6 +49,7 @@ def usage_record_create(
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
     cached_prompt_tokens: int = 0,
+    constrained: str = "",
     time_to_first_token_ms: float | None = None,
     latency_ms: float = 0.0,
     finish_reason: str | None = "",
@@ -76,6 +77,8 @@ def usage_record_create(
             raise InvalidInput(field, f"must be a non-negative integer, got {value!r}")
     if cached_prompt_tokens > prompt_tokens:
         raise InvalidInput("cached_prompt_tokens", f"{cached_prompt_tokens} is more than prompt_tokens ({prompt_tokens})")
+    if constrained not in UsageRecord.Constrained.values:
+        raise InvalidInput("constrained", f"must be one of {UsageRecord.Constrained.values}, got {constrained!r}")
     if api_key is not None and api_key.tenant_id != tenant.pk:
         raise InvalidInput("api_key", f"belongs to another tenant than {tenant}")
     now = timezone.now()
@@ -96,6 +99,7 @@ def usage_record_create(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_prompt_tokens=cached_prompt_tokens,
+        constrained=constrained,
         time_to_first_token_ms=time_to_first_token_ms,
         latency_ms=latency_ms,
         finish_reason=storable_text(finish_reason, FINISH_REASON_MAX_LENGTH),

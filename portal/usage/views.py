@@ -41,6 +41,7 @@ RECORDS_CSV_HEADER = [
     "prompt_tokens",
     "completion_tokens",
     "cached_prompt_tokens",
+    "constrained",
     "time_to_first_token_ms",
     "latency_ms",
     "finish_reason",
@@ -110,10 +111,11 @@ def records_csv(request: HttpRequest, tenant_slug: str) -> HttpResponse:
         return HttpResponseBadRequest(f"{error}\n", content_type="text/plain")
     # Stream from keyset-paged queries so no export holds the whole ledger in memory; under
     # ASGI the iterator must be async or Django buffers it all before sending a byte.
+    staff = request.user.is_staff
     if isinstance(request, ASGIRequest):
-        content = _records_csv_async(records)
+        content = _records_csv_async(records, staff=staff)
     else:
-        content = _csv_lines(_records_rows(_records_pages(records)))
+        content = _csv_lines(_records_rows(_records_pages(records), staff=staff))
     response = StreamingHttpResponse(content, content_type="text/csv")
     return _csv_filename(response, f"{tenant.slug}-usage-records.csv")
 
@@ -146,14 +148,14 @@ def _records_pages(records) -> Iterator[list[UsageRecord]]:
         after_key = (page[-1].created_at, page[-1].pk)
 
 
-def _records_rows(pages: Iterable[list[UsageRecord]]) -> Iterator[list]:
+def _records_rows(pages: Iterable[list[UsageRecord]], *, staff: bool) -> Iterator[list]:
     yield RECORDS_CSV_HEADER
     for page in pages:
         for record in page:
-            yield _record_row(record)
+            yield _record_row(record, staff=staff)
 
 
-async def _records_csv_async(records) -> AsyncIterator[str]:
+async def _records_csv_async(records, *, staff: bool) -> AsyncIterator[str]:
     for line in _csv_lines([RECORDS_CSV_HEADER]):
         yield line
     after_key = None
@@ -161,12 +163,14 @@ async def _records_csv_async(records) -> AsyncIterator[str]:
         page = await db_sync_to_async(_records_page)(records, after_key)
         if not page:
             return
-        for line in _csv_lines(_record_row(record) for record in page):
+        for line in _csv_lines(_record_row(record, staff=staff) for record in page):
             yield line
         after_key = (page[-1].created_at, page[-1].pk)
 
 
-def _record_row(record: UsageRecord) -> list:
+def _record_row(record: UsageRecord, *, staff: bool) -> list:
+    """One CSV row. worker_url is an internal address: only staff see it; a tenant's members get
+    the column empty (the same header for everyone, so their scripts read either file)."""
     return [
         record.request_id,
         record.created_at.isoformat(),
@@ -174,11 +178,12 @@ def _record_row(record: UsageRecord) -> list:
         record.model,
         record.adapter_version.public_id if record.adapter_version else "",
         record.api_key.display_prefix if record.api_key else "",
-        record.worker_url,
+        record.worker_url if staff else "",
         str(record.stream).lower(),
         record.prompt_tokens,
         record.completion_tokens,
         record.cached_prompt_tokens,
+        record.constrained,
         "" if record.time_to_first_token_ms is None else record.time_to_first_token_ms,
         record.latency_ms,
         record.finish_reason,

@@ -10,6 +10,11 @@
   var model = document.getElementById("pg-model");
   var maxTokens = document.getElementById("pg-max-tokens");
   var temperature = document.getElementById("pg-temperature");
+  var schemaBox = document.getElementById("pg-schema");
+  var toolsBox = document.getElementById("pg-tools");
+  var toolChoice = document.getElementById("pg-tool-choice");
+  var boxError = document.getElementById("pg-box-error");
+  var structured = document.getElementById("pg-structured");
   var send = document.getElementById("pg-send");
   var stop = document.getElementById("pg-stop");
   var clear = document.getElementById("pg-clear");
@@ -18,7 +23,7 @@
   var canSend = !send.disabled;
 
   var history = [];       // [{role, content}] sent with every turn
-  var current = null;     // {node, text, started, first, tokens}
+  var current = null;     // {node, text, toolCalls, started, first, tokens}
   var socket = null;
 
   function addMessage(role, text) {
@@ -26,7 +31,7 @@
     p.className = "pg-msg " + role;
     var who = document.createElement("span");
     who.className = "who";
-    who.textContent = role === "user" ? "You" : role === "assistant" ? "Model" : "Error";
+    who.textContent = role === "user" ? "You" : role === "assistant" ? "Model" : role === "tool" ? "Tool call" : "Error";
     var body = document.createElement("span");
     body.className = "text";
     body.textContent = text;
@@ -42,8 +47,33 @@
     stop.disabled = !running;
   }
 
+  function callText(call) {
+    var args = call.function.arguments;
+    try { args = JSON.stringify(JSON.parse(args), null, 2); } catch (e) { /* shown as it came */ }
+    return call.function.name + "(" + args + ")";
+  }
+
+  // The boxes' JSON, checked before anything is sent: a typo is said next to the boxes and the
+  // message stays in the input (the server checks the shapes again: consumers.py).
+  function boxProblem() {
+    var boxes = [[schemaBox, "The JSON schema"], [toolsBox, "Tools"]];
+    for (var i = 0; i < boxes.length; i++) {
+      var text = boxes[i][0].value.trim();
+      if (!text) continue;
+      try { JSON.parse(text); } catch (e) {
+        boxes[i][0].focus();
+        return boxes[i][1] + " is not valid JSON (" + e.message + "); nothing was sent.";
+      }
+    }
+    return null;
+  }
+
   function finish() {
     if (current && current.text) history.push({ role: "assistant", content: current.text });
+    else if (current && current.toolCalls) {
+      // the next turn sees the call as the assistant's text: the chat template needs no tool roles
+      history.push({ role: "assistant", content: current.toolCalls.map(callText).join("\n") });
+    }
     current = null;
     busy(false);
   }
@@ -80,6 +110,11 @@
         current.node.textContent = current.text;
         log.scrollTop = log.scrollHeight;
         liveStats();
+      } else if (msg.type === "tool_calls" && current) {
+        if (current.first == null) current.first = performance.now();
+        current.toolCalls = msg.tool_calls;
+        if (!current.text) log.removeChild(current.node.parentNode);  // no text: the calls are the answer
+        msg.tool_calls.forEach(function (call) { addMessage("tool", callText(call)); });
       } else if (msg.type === "usage" && current) {
         current.tokens = msg.completion_tokens || current.tokens;
       } else if (msg.type === "done") {
@@ -102,6 +137,14 @@
     event.preventDefault();
     var text = input.value.trim();
     if (!text || current || !socket || socket.readyState !== WebSocket.OPEN) return;
+    var problem = boxProblem();
+    boxError.textContent = problem || "";
+    boxError.hidden = !problem;
+    if (problem) {
+      structured.open = true;
+      status.textContent = "not sent";
+      return;
+    }
     history.push({ role: "user", content: text });
     addMessage("user", text);
     input.value = "";
@@ -114,6 +157,11 @@
     if (n > 0) message.max_tokens = n;
     var t = parseFloat(temperature.value);
     if (!isNaN(t)) message.temperature = t;
+    if (schemaBox.value.trim()) message.json_schema = schemaBox.value;
+    if (toolsBox.value.trim()) {
+      message.tools = toolsBox.value;
+      message.tool_choice = toolChoice.value;
+    }
     socket.send(JSON.stringify(message));
   });
 

@@ -293,3 +293,45 @@ def test_viewer_cannot_create_keys(live, page):
     from portal.keys.models import ApiKey
 
     assert not off_loop(lambda: ApiKey.objects.filter(name="sneaky").exists())
+
+
+WEATHER_TOOLS = ('[{"name": "get_weather", "parameters": {"type": "object", "properties": '
+                 '{"city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": false}}]')
+
+
+def test_playground_structured_boxes(live, page):
+    """A typo in the JSON schema box is said next to the boxes and nothing is sent (the message
+    stays in the input); a tools list with tool_choice "required" shows the answer's tool call."""
+    make_user("ann", {"acme": "member"})
+    log_in(page, live, "ann")
+    page.goto(f"{live.url}/t/acme/playground/")
+    _wait_for_playground(page, "s === 'connected'")
+    page.click("#pg-structured summary")
+    page.fill("#pg-schema", '{"type": "object", "properties": ')
+    page.fill("#pg-input", "What is the weather in Paris?")
+    page.click("#pg-send")
+    _wait_for_playground(page, "s === 'not sent'")
+    assert "The JSON schema is not valid JSON" in page.inner_text("#pg-box-error")
+    assert page.locator("#pg-log .pg-msg").count() == 0
+    assert page.input_value("#pg-input") == "What is the weather in Paris?"
+    shot(page, "26-playground-schema-typo")
+
+    page.fill("#pg-schema", "")
+    page.fill("#pg-tools", WEATHER_TOOLS)
+    page.select_option("#pg-tool-choice", "required")
+    page.fill("#pg-temperature", "0")
+    page.fill("#pg-max-tokens", "48")
+    page.click("#pg-send")
+    _wait_for_playground(page, "s.startsWith('done')", timeout_s=180)
+    assert page.locator("#pg-box-error").is_hidden()
+    calls = page.locator(".pg-msg.tool .text").all_inner_texts()
+    assert len(calls) == 1 and calls[0].startswith("get_weather(") and '"city"' in calls[0], calls
+    assert page.locator(".pg-msg.error").count() == 0
+    shot(page, "27-playground-tool-call")
+    assert page.js_errors == [] and page.dialogs == []
+
+    from portal.usage.models import UsageRecord
+
+    rows = off_loop(lambda: list(UsageRecord.objects.filter(tenant__slug="acme").values_list(
+        "constrained", "finish_reason")))
+    assert rows == [("tools", "tool_calls")]

@@ -3,6 +3,7 @@
 from rest_framework.routers import SimpleRouter
 
 from portal.adapters.api import views
+from portal.keys.api.views import ApiKeyViewSet
 
 TENANT = r"tenants/(?P<tenant_slug>[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?)"
 
@@ -10,6 +11,7 @@ router = SimpleRouter()
 router.register(rf"{TENANT}/adapters", views.AdapterViewSet, basename="adapter")
 router.register(rf"{TENANT}/adapters/(?P<adapter_name>[^/]+)/versions", views.VersionViewSet, basename="adapter-version")
 router.register(rf"{TENANT}/audit-events", views.AuditEventViewSet, basename="audit-event")
+router.register(rf"{TENANT}/keys", ApiKeyViewSet, basename="api-key")
 
 app_name = "api"
 urlpatterns = router.urls

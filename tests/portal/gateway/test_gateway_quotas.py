@@ -102,7 +102,7 @@ def test_exhausted_budget_is_a_final_429(live):
         retrying.chat.completions.create(**{**BODY, "max_tokens": 40})
     response = info.value.response
     assert response.headers["x-should-retry"] == "false"
-    assert info.value.body["code"] == "rate_limit_exceeded"
+    assert info.value.body["code"] == "insufficient_quota" and info.value.body["type"] == "insufficient_quota"
     assert "budget" in info.value.body["message"].lower()
     from portal.usage.models import UsageRecord
 

@@ -46,8 +46,13 @@ def test_model_picker_lists_the_tenants_servable_models(acme, client):
     AdapterVersion.objects.create(adapter=secret, number=1, source_path="/nowhere")
     client.force_login(user)
     html = client.get("/t/acme/playground/").content.decode()
-    options = re.findall(r'<option value="([^"]*)">', html)
+    picker = re.search(r'<select id="pg-model".*?</select>', html, re.S).group(0)
+    options = re.findall(r'<option value="([^"]*)">', picker)
     assert options == [BASE, "acme/bot", "acme/bot@v1"]
+    # the optional structured-output boxes, and the tool choices the consumer takes
+    assert 'id="pg-schema"' in html and 'id="pg-tools"' in html
+    tool_choice = re.search(r'<select id="pg-tool-choice".*?</select>', html, re.S).group(0)
+    assert re.findall(r'<option value="([^"]*)">', tool_choice) == ["required", "none"]
     assert 'data-ws-path="/ws/t/acme/playground/"' in html
     assert "playground/playground.js" in html
 

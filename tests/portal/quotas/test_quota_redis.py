@@ -61,7 +61,8 @@ async def test_every_key_is_under_the_prefix_and_expires(redis_backend, client, 
     def ours():
         return sorted(key.decode() for key in client.scan_iter(match=f"{settings.QUOTA_KEY_PREFIX}*"))
 
-    assert ours() == sorted(f"{prefix}:{suffix}" for suffix in ("window", "inflight", f"month:{clock.month}"))
+    assert ours() == sorted(f"{prefix}:{suffix}" for suffix in ("window", "inflight", f"month:{clock.month}",
+                                                                f"spend:{clock.month}"))
     assert all(key.startswith("loraplex:quota:") for key in ours())
     ttls = {key: client.pttl(key) for key in ours()}
     assert all(ttl > 0 for ttl in ttls.values()), ttls
@@ -71,7 +72,8 @@ async def test_every_key_is_under_the_prefix_and_expires(redis_backend, client, 
     await redis_backend.aclose()
 
     # the in-flight set emptied (Redis drops it); the settled marker expires too
-    assert ours() == sorted(f"{prefix}:{suffix}" for suffix in ("window", f"month:{clock.month}", "settled:r1"))
+    assert ours() == sorted(f"{prefix}:{suffix}" for suffix in ("window", f"month:{clock.month}",
+                                                                f"spend:{clock.month}", "settled:r1"))
     assert 0 < client.pttl(f"{prefix}:settled:r1") <= 86_400_000
     assert ttls[f"{prefix}:window"] <= 61_000
     assert client.hgetall(f"{prefix}:window") == {

@@ -116,6 +116,7 @@ def test_records_csv_streams_the_tenants_ledger_oldest_first(member, record, ten
         error="-worker died",
         client_disconnected=True,
         stream=True,
+        constrained="json_schema",
     )
     record(request_id="req-a", created_at=datetime(2025, 3, 10, tzinfo=UTC), time_to_first_token_ms=4.0)
 
@@ -135,6 +136,20 @@ def test_records_csv_streams_the_tenants_ledger_oldest_first(member, record, ten
         "true",
         "",
     )
+    assert b["constrained"] == "json_schema"
+    assert dict(zip(RECORDS_CSV_HEADER, rows[1], strict=True))["constrained"] == ""
+
+
+def test_records_csv_shows_the_worker_address_to_staff_only(client, member, record, django_user_model):
+    record(request_id="req-w", worker_url="http://10.0.3.7:8001")
+
+    as_member = dict(zip(RECORDS_CSV_HEADER, _csv(member.get(RECORDS))[1], strict=True))
+    staff = django_user_model.objects.create_user(username="ops", password="x", is_staff=True)
+    client.force_login(staff)
+    as_staff = dict(zip(RECORDS_CSV_HEADER, _csv(client.get(RECORDS))[1], strict=True))
+
+    assert as_member["request_id"] == "req-w" and as_member["worker_url"] == ""
+    assert as_staff["worker_url"] == "http://10.0.3.7:8001"
 
 
 def test_records_csv_pages_through_more_than_one_page(member, record, monkeypatch):

@@ -63,7 +63,7 @@ def break_database(monkeypatch) -> None:
 
 def test_a_row_round_trips_through_json(tenant):
     api_key, _ = api_key_create(tenant=tenant, name="k")
-    original = fields(tenant, api_key=api_key, error="surrogate \ud800 here")
+    original = fields(tenant, api_key=api_key, error="surrogate \ud800 here", constrained="json_schema")
 
     restored = spool.record_from_json(spool.record_to_json(original))
 
@@ -100,7 +100,7 @@ def test_a_row_the_database_takes_is_not_spooled(spool_settings):
 
 @pytest.mark.skipif(not REDIS_URL, reason="needs REDIS_URL")
 def test_replay_writes_spooled_rows_exactly_once(spool_settings, tenant):
-    rows = [fields(tenant) for _ in range(3)]
+    rows = [fields(tenant, constrained="tools") for _ in range(3)]
     for row in rows:
         assert spool.usage_spool_push(row) == "redis"
     spool.usage_spool_push(rows[0])  # spooled twice (a retry that had in fact landed)
@@ -112,7 +112,7 @@ def test_replay_writes_spooled_rows_exactly_once(spool_settings, tenant):
     assert stored.count() == 3
     first = stored.get(request_id=rows[0]["request_id"])
     assert (first.prompt_tokens, first.completion_tokens, first.model) == (12, 30, "acme/bot\ufffd")
-    assert first.created_at == STARTED and first.stream
+    assert first.created_at == STARTED and first.stream and first.constrained == "tools"
     assert spooled_in_redis(spool_settings) == []
 
 

@@ -76,6 +76,8 @@ def test_an_overlong_model_id_is_cut_and_missing_texts_are_blank(tenant):
         ({"completion_tokens": 1.5}, "completion_tokens"),
         ({"cached_prompt_tokens": -3}, "cached_prompt_tokens"),
         ({"prompt_tokens": 10, "cached_prompt_tokens": 11}, "cached_prompt_tokens"),
+        ({"constrained": "regex"}, "constrained"),
+        ({"constrained": None}, "constrained"),
         ({"created_at": datetime(2025, 1, 1)}, "created_at"),
     ],
 )
@@ -87,6 +89,14 @@ def test_bad_values_are_refused_by_name(tenant, fields, field):
 
     assert raised.value.field == field
     assert not UsageRecord.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("constrained", ["", "json_object", "json_schema", "tools"])
+def test_the_constrained_marker_is_stored(tenant, constrained):
+    usage_record_create(request_id="req-1", tenant=tenant, model="acme/bot", constrained=constrained)
+
+    assert UsageRecord.objects.get().constrained == constrained
 
 
 @pytest.mark.django_db
