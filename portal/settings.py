@@ -27,6 +27,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's and Redoc's files, collected with ours
     "portal.core",
     "portal.demo",
     "portal.tenants",
@@ -198,11 +199,22 @@ SPECTACULAR_SETTINGS = {
     # The schema and its docs page describe every tenant route: signed-in users and API keys only.
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
     "TITLE": "Loraplex API",
-    "DESCRIPTION": "Tenants' adapters: create, upload versions, follow validation and staging, set deployment weights.",
+    "DESCRIPTION": "Tenants' adapters: create, upload versions, follow validation and staging, set deployment weights; "
+    "tenants' API keys: create, list, revoke, rotate, with allow-lists, expiry and limits.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "SCHEMA_PATH_PREFIX": r"/api/v1",
+    # The docs page's JavaScript and CSS from our own static files (whitenoise), not a CDN: it
+    # renders offline and the browser asks no third party.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    # Two components have a field named "status" with different choices: name each enum.
+    "ENUM_NAME_OVERRIDES": {
+        "AdapterVersionStatusEnum": "portal.adapters.models.AdapterVersion.Status",
+        "ApiKeyStatusEnum": ["active", "expired", "revoked"],
+    },
 }
 
 LOGIN_URL = "console:login"
@@ -211,6 +223,7 @@ LOGIN_REDIRECT_URL = "console:tenants"
 INFERENCE_URLS = list(CONFIG.inference_urls)
 INFERENCE_DISCOVERY = list(CONFIG.inference_discovery)  # read by portal.fleet.services (each poll)
 INFERENCE_ADMIN_TOKEN = CONFIG.inference_admin_token
+INFERENCE_API_KEY = CONFIG.inference_api_key  # the workers' --api-key (portal.fleet.client)
 METRICS_TOKEN = CONFIG.metrics_token  # GET /metrics (portal.core.metrics_asgi)
 PORTAL_INTERNAL_URL = CONFIG.portal_internal_url  # read by portal.fleet.client (the load body's lora_url)
 

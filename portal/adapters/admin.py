@@ -4,10 +4,18 @@ from portal.adapters.models import Adapter, AdapterVersion, AuditEvent, Deployme
 
 
 class AdapterVersionInline(admin.TabularInline):
+    """Shown, never edited: see AdapterVersionAdmin."""
+
     model = AdapterVersion
     extra = 0
     fields = ("number", "status", "source_path", "storage_dir", "rank", "sha256", "uid", "created_at")
-    readonly_fields = ("uid", "storage_dir", "created_at")
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
 
 
 class DeploymentInline(admin.StackedInline):
@@ -27,6 +35,10 @@ class AdapterAdmin(admin.ModelAdmin):
 
 @admin.register(AdapterVersion)
 class AdapterVersionAdmin(admin.ModelAdmin):
+    """Read-only: a version's status and what validation found about its files change only
+    through the services (upload -> validate -> stage, deployments, retire). A hand edit could
+    mark a version that was never validated ready, and an added one would start out ready."""
+
     list_display = ("__str__", "status", "rank", "size_bytes", "base_model", "source_path", "created_at")
     list_filter = ("status", "adapter__tenant")
     search_fields = ("adapter__name", "adapter__tenant__slug", "uid", "sha256")
@@ -41,6 +53,12 @@ class AdapterVersionAdmin(admin.ModelAdmin):
         "created_at",
         "updated_at",
     )
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(Deployment)

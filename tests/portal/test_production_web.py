@@ -136,6 +136,24 @@ def test_the_api_schema_and_docs_need_a_signed_in_user(web, proxied, staff):
     assert proxied.get("/api/docs/").status_code == 200
 
 
+def test_the_api_docs_page_loads_swagger_ui_from_the_collected_static_files(web, proxied, staff):
+    sign_in(proxied, web, "ops")
+    docs = proxied.get("/api/docs/")
+
+    assert docs.status_code == 200
+    # No CDN: every script, stylesheet and icon is one of ours, a hashed name that answers.
+    assert not re.search(r'(?:src|href)="(?:https?:)?//', docs.text)
+    assets = ASSET.findall(docs.text)
+    names = {asset.rsplit("/", 1)[1].split(".")[0] for asset in assets}
+    assert {"swagger-ui", "swagger-ui-bundle", "swagger-ui-standalone-preset", "favicon-32x32"} <= names
+    for asset in assets:
+        assert re.search(r"\.[0-9a-f]{12}\.(?:css|js|png)$", asset), f"{asset} is not a manifest (hashed) name"
+        response = proxied.get(asset)
+        assert response.status_code == 200 and response.content, asset
+        if "/swagger-ui-bundle." in asset:
+            assert b"SwaggerUIBundle" in response.content
+
+
 def test_plain_http_is_redirected_to_https_except_probes_and_internal_downloads(web):
     page = httpx.get(f"{web.url}/login/")
     assert page.status_code == 301
