@@ -236,10 +236,19 @@ def usage(choices: dict[str, Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+# Engine errors that come from the request's output constraint, not from its model: a grammar
+# that failed to compile after the pre-check passed (it was evicted from the cache and compiled
+# again), or a parser limit reached mid-output (structured_output.py names the part first).
+_STRUCTURED_ERROR_PREFIXES = ("response_format", "grammar:", "structured output:")
+
+
 def raise_if_error(out: RequestOutput) -> None:
     if out.finished and out.finish_reason == "error":
-        raise APIError(400, getattr(out, "error", None) or "the request failed", param="model",
-                       code="adapter_load_failed")
+        message = getattr(out, "error", None) or "the request failed"
+        if message.startswith(_STRUCTURED_ERROR_PREFIXES):
+            raise APIError(400, message, param="response_format" if message.startswith("response_format") else None,
+                           code="structured_output_failed")
+        raise APIError(400, message, param="model", code="adapter_load_failed")
 
 
 async def until_disconnected(coro, request: Request, *, on_gone: Callable[[], None]):
