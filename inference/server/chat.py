@@ -5,12 +5,11 @@ grammar compiled before the request is added."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-
-import dataclasses
 
 from inference.engine.outputs import RequestOutput, TokenLogprob
 from inference.server import sse
