@@ -225,6 +225,12 @@ def test_make_run_keeps_what_the_environment_sets() -> None:
     on_every_interface = run.local_environment({}, web_host="0.0.0.0", web_port="9000")
     assert on_every_interface["PORTAL_INTERNAL_URL"] == "http://127.0.0.1:9000"
     assert on_every_interface["INFERENCE_PORTAL_ORIGINS"] == "http://127.0.0.1:9000"
+    # The web process must answer the address the worker fetches adapters from and the browser opens.
+    assert "ALLOWED_HOSTS" not in run.local_environment({}) and "ALLOWED_HOSTS" not in on_every_interface
+    assert run.local_environment({}, web_host="127.0.0.9")["ALLOWED_HOSTS"] == "localhost,127.0.0.1,[::1],127.0.0.9"
+    assert run.local_environment({}, web_host="::2")["ALLOWED_HOSTS"] == "localhost,127.0.0.1,[::1],[::2]"
+    assert run.local_environment({"ALLOWED_HOSTS": "portal.lan"}, web_host="127.0.0.9")["ALLOWED_HOSTS"] == "portal.lan"
+    assert run.local_environment(mine)["ALLOWED_HOSTS"] == "localhost,127.0.0.1,[::1],portal.lan"
 
 
 def test_make_run_starts_a_local_fleet_when_asked(monkeypatch, capsys) -> None:

@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 from honcho.manager import Manager
 
+from portal.config import DEFAULT_DEV_ALLOWED_HOSTS
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 WEB_HOST = os.environ.get("WEB_HOST", "127.0.0.1")
@@ -58,10 +60,26 @@ def local_environment(environ: dict[str, str], *, web_host: str = WEB_HOST, web_
         env["PORTAL_INTERNAL_URL"] = f"http://{host}:{web_port}"
     if not env.get("INFERENCE_PORTAL_ORIGINS"):
         env["INFERENCE_PORTAL_ORIGINS"] = origin_of(env["PORTAL_INTERNAL_URL"])
+    if not env.get("ALLOWED_HOSTS"):
+        # The web process answers only the host names it knows; in development those are the
+        # localhost names, so a WEB_HOST such as 127.0.0.9 (which the worker then fetches adapters
+        # from, and the browser opens) is added, or every request to it is a 400.
+        names = [_host_name(urlsplit(env["PORTAL_INTERNAL_URL"]).hostname or "")]
+        if web_host not in ANY_ADDRESS:
+            names.append(_host_name(web_host))
+        extra = [name for name in names if name and name not in DEFAULT_DEV_ALLOWED_HOSTS]
+        if extra:
+            env["ALLOWED_HOSTS"] = ",".join(dict.fromkeys((*DEFAULT_DEV_ALLOWED_HOSTS, *extra)))
     ports = worker_ports(env)
     if len(ports) > 1 and not env.get("INFERENCE_URLS") and not env.get("INFERENCE_DISCOVERY"):
         env["INFERENCE_URLS"] = ",".join(f"http://{INFERENCE_HOST}:{port}" for port in ports)
     return env
+
+
+def _host_name(host: str) -> str:
+    """A host as ALLOWED_HOSTS writes it: an IPv6 address in brackets."""
+    host = host.strip("[]")
+    return f"[{host}]" if ":" in host else host
 
 
 def worker_ports(env: dict[str, str]) -> list[int]:
