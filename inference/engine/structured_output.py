@@ -126,8 +126,8 @@ class StructuredOutput:
         if not isinstance(schema, Mapping | bool):
             raise StructuredOutputError(field, f"must be a JSON object, got {type(schema).__name__}")
         try:
-            source = json.dumps(schema, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as exc:
+            source = json.dumps(closed_objects(schema), separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
             raise StructuredOutputError(field, f"is not JSON: {exc}") from None
         return cls("json_schema", source)
 
@@ -150,6 +150,39 @@ class StructuredOutput:
             return llguidance.LLMatcher.grammar_from_lark(self.source)
         schema = self.source if self.kind == "json_schema" else '{"type":"object"}'
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+
+
+# Where a JSON schema holds subschemas: one schema, a list of them, or a map of name -> schema.
+_ONE_SCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "not", "if", "then", "else",
+               "contains", "propertyNames", "additionalItems", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: object) -> object:
+    """A copy of `schema` in which an object schema that lists `properties` and says nothing of
+    other properties (no additionalProperties, unevaluatedProperties or patternProperties)
+    allows no others, as vLLM's default grammar backend (xgrammar's strict mode) and OpenAI's
+    strict schemas do. JSON Schema's own default admits any extra key, and a small model given
+    that freedom invents properties until max_tokens; `"additionalProperties": true` keeps it.
+    Only schema positions are walked, so a property named "properties" stays a name."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _ONE_SCHEMA:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(item) for item in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    if "properties" in out and not any(
+        key in out for key in ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass(frozen=True)

@@ -95,8 +95,11 @@ class ToolPlan:
 
 
 def arguments_json(function: Function) -> str:
-    """A function's arguments in Lark: its parameters schema as llguidance's %json, compact."""
-    return "%json " + json.dumps({**function.parameters, "x-guidance": _JSON_OPTIONS})
+    """A function's arguments in Lark: its parameters schema as llguidance's %json, compact, its
+    objects closed to undeclared properties (structured_output.closed_objects)."""
+    from inference.engine.structured_output import closed_objects
+
+    return "%json " + json.dumps({**closed_objects(function.parameters), "x-guidance": _JSON_OPTIONS})
 
 
 def _call_prefix(function: Function) -> str:

@@ -56,7 +56,7 @@ def build(params, constrained=(), bitmask=None):
 def test_spec_kinds_keys_and_source() -> None:
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
     spec = StructuredOutput.json_schema(schema)
-    assert spec.kind == "json_schema" and json.loads(spec.source) == schema
+    assert spec.kind == "json_schema" and json.loads(spec.source) == {**schema, "additionalProperties": False}
     assert list(json.loads(spec.source)["properties"]) == ["b", "a"]  # the schema's order is kept
     assert spec.key == StructuredOutput.json_schema(json.loads(json.dumps(schema))).key
     keys = {spec.key, StructuredOutput.json_object().key, StructuredOutput.lark('start: "x"').key}
@@ -259,3 +259,30 @@ async def test_async_precheck_refuses_bad_schemas_and_warms_the_cache(grammars) 
             )
     finally:
         server.shutdown()
+
+
+def test_objects_with_listed_properties_allow_no_others_unless_the_schema_says_so():
+    from inference.engine.structured_output import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},  # a property's name
+            "open": {"type": "object", "properties": {"y": {}}, "additionalProperties": True},
+            "items": {"type": "array", "items": {"type": "object", "properties": {"z": {}}}},
+            "free": {"type": "object"},
+        },
+        "$defs": {"node": {"anyOf": [{"properties": {"n": {}}}, {"type": "null"}]}},
+    }
+    closed = closed_objects(schema)
+
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert set(props) == {"properties", "open", "items", "free"}  # no property was added
+    assert props["properties"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["free"]  # no properties listed: any object
+    assert closed["$defs"]["node"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+    assert '"additionalProperties":false' in StructuredOutput.json_schema(schema).source
