@@ -16,7 +16,6 @@ full decode of every stream before anything is timed. The CPU is named; nothing 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenizers.decoders import DecodeStream  # noqa: E402
 
+from bench.prefix_cache import cpu_name  # noqa: E402
 from inference.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from inference.models.fetch import default_model_path  # noqa: E402
 from inference.models.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
@@ -125,14 +125,6 @@ def held_fraction(tok: Tokenizer, streams: list[list[int]]) -> float:
         stream = DecodeStream(skip_special_tokens=True)
         held += sum(stream.step(tok.backend, i) is None for i in ids)
     return held / sum(map(len, streams))
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown CPU"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown CPU")
 
 
 def main() -> None:
