@@ -9,6 +9,8 @@ bodies both sides build and read, and the error codes one side sends and the oth
     POST /v1/adapters/{name}/pin | unpin
     GET  /v1/base_model           BaseModelInfo     what an adapter must match to load there
     any error                     ErrorObject       OpenAI's {"error": {message, type, param, code}}
+    completions (answer, usage    RequestReport     under REPORT_KEY: where the adapter was found, queue
+    chunk)                                          time, time to first token, inter-token gap
 
 The worker validates requests with its own pydantic schemas (inference/server) whose field names
 and limits come from here; the portal's worker client (portal/fleet/client.py) builds its
@@ -267,6 +269,58 @@ class BaseModelInfo:
 
 
 _SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+
+
+
+# -- completions: the worker's report on one request ------------------------------------------------
+# Beside OpenAI's fields, a worker's completion answer carries REPORT_KEY: {"adapter_tier", "queue_ms",
+# "ttft_ms", "inter_token_ms"} (RequestReport) at the top level of a non-streamed answer and of the
+# streamed usage chunk (the last chunk, with stream_options.include_usage), as vLLM adds fields of
+# its own. A plain OpenAI client ignores it; the gateway reads it into its usage ledger and removes
+# it before its client sees the body.
+REPORT_KEY = "loraplex"
+# Where the worker found the request's adapter when the request arrived, warmest first: in a device
+# slot; in host memory (copied into a slot for it); on disk (read, perhaps fetched, for it).
+# "" for the base model.
+ADAPTER_TIERS = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class RequestReport:
+    """REPORT_KEY's object. Times in milliseconds: queue_ms arrival to first scheduled, ttft_ms
+    arrival to first token, inter_token_ms the mean gap between output tokens after the first
+    (None with fewer than two tokens). Over a request's choices (n > 1): the coldest tier, the
+    longest queue, the earliest first token, the mean gap over every choice's tokens."""
+
+    adapter_tier: str = ""
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    inter_token_ms: float | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> RequestReport | None:
+        """The report in a decoded body's REPORT_KEY value, or None when it is not an object.
+        Tolerant as a reader must be: an unknown tier becomes "", a time that is not a finite
+        non-negative number None."""
+        if not isinstance(value, dict):
+            return None
+        tier = value.get("adapter_tier")
+
+        def millis(name: str) -> float | None:
+            item = value.get(name)
+            if isinstance(item, bool) or not isinstance(item, int | float) or not 0 <= item < float("inf"):
+                return None
+            return float(item)
+
+        return cls(
+            adapter_tier=tier if tier in ADAPTER_TIERS else "",
+            queue_ms=millis("queue_ms"),
+            ttft_ms=millis("ttft_ms"),
+            inter_token_ms=millis("inter_token_ms"),
+        )
 
 
 # -- completions: prefix-cache isolation ----------------------------------------------------------

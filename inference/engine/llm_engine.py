@@ -90,6 +90,7 @@ class _SeqState:
     first_token_time: float | None = None
     matcher: Any = None  # llguidance.LLMatcher of a structured-output request (None: free text)
     scheduled_time: float | None = None  # first left the waiting queue (vLLM's queued time ends)
+    adapter_tier: str = ""  # where its adapter was on arrival (AdapterManager.arrival_tier); "" base
 
 
 @dataclass
@@ -278,6 +279,7 @@ class LLMEngine:
             if isinstance(lora, LoRARequest):
                 self._check_adapter_name(lora.name)
             seq.adapter = self.adapters.bind(lora)
+            seq.state.adapter_tier = self.adapters.arrival_tier(seq.adapter)
         try:
             if grammar is not None and not grammar.done():
                 self._check_fits(seq)
@@ -551,6 +553,7 @@ class LLMEngine:
             time_to_first_token=(state.first_token_time - seq.arrival_time) if state.first_token_time else None,
             latency=(now - seq.arrival_time) if finished else None,
             queue_time=(state.scheduled_time - seq.arrival_time) if state.scheduled_time else None,
+            adapter_tier=state.adapter_tier,
             error=seq.error,
             prompt_logprobs=self._prompt_logprobs(seq),
         )

@@ -41,6 +41,9 @@ class RequestOutput:
     time_to_first_token: float | None = None
     latency: float | None = None
     queue_time: float | None = None  # arrival to first scheduled (seconds), once it was scheduled
+    # Where the request's adapter was when it arrived: "device" (warm), "host" or "disk"
+    # (cold: copied into a slot, or read first); "" for the base model.
+    adapter_tier: str = ""
     error: str | None = None  # with finish_reason "error": why (e.g. the adapter failed to load)
     extra: dict = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs, once the prompt is computed: one entry per prompt

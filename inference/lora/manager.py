@@ -13,7 +13,8 @@ name is re-added with different weights meanwhile, the request still runs the ad
 asked for, and nothing keyed by the old id (a slot, a cache entry) serves the new one. A
 retired record's adapter leaves the cache once its last request is done.
 
-The engine binds each request to a record (`bind` / `unbind`); the scheduler asks for a slot
+The engine binds each request to a record (`bind` / `unbind`) and notes where it found the
+adapter then (`arrival_tier`: device, host or disk, the request's cold or warm start); the scheduler asks for a slot
 when it admits the request and gives it back on preemption or finish (`load_error`,
 `acquire` / `release`: the slot protocol of inference/engine/scheduler.py). Which sequence
 holds which slot is the scheduler's business: nothing here knows about sequences.
@@ -226,6 +227,18 @@ class AdapterManager:
                     raise AdapterNotFoundError(lora)
             record.users += 1
             return record
+
+    def arrival_tier(self, record: AdapterRecord) -> str:
+        """Where a request bound to `record` just now finds its adapter: "device" (in a slot),
+        "host" (in host memory: copied into a slot for it) or "disk" (still to be read: loading,
+        evicted from host memory, failed, or already removed)."""
+        if not record.ready:
+            return str(Tier.DISK)
+        try:
+            tier = self.cache.tier(record.id)
+        except KeyError:  # removed from the cache meanwhile (retired)
+            return str(Tier.DISK)
+        return str(tier) if tier in (Tier.DEVICE, Tier.HOST) else str(Tier.DISK)
 
     def unbind(self, record: AdapterRecord) -> None:
         """A request bound to `record` is finished for good (step thread)."""

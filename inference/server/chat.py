@@ -23,6 +23,8 @@ from inference.server.serving import (
     engine_kwargs,
     new_id,
     now,
+    record_output,
+    report,
     sampling_params,
     usage,
 )
@@ -33,6 +35,7 @@ from inference.server.tool_prompt import (
     with_calls_in_text,
     with_tools_in_text,
 )
+from protocol.worker_api import REPORT_KEY
 
 if TYPE_CHECKING:
     from inference.engine.structured_output import StructuredOutput
@@ -102,9 +105,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
 
     def events(out: RequestOutput) -> list[str]:
         choice = choices[out.request_id]
-        choice.prompt_tokens = out.usage.prompt_tokens
-        choice.cached_tokens = out.usage.cached_tokens
-        choice.token_ids = out.token_ids
+        record_output(choice, out)
         reader = readers.get(out.request_id)
         lines = []
         if not choice.sent_role:  # OpenAI's first chunk of a choice carries only the role
@@ -134,7 +135,8 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
         if not include_usage:
             return []
         return [sse.event({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                           "model": body.model, "choices": [], "usage": usage(choices)})]
+                           "model": body.model, "choices": [], "usage": usage(choices),
+                           REPORT_KEY: report(choices)})]
 
     return serving.stream_response(stream, first, events, final)
 
@@ -164,6 +166,7 @@ def _completion(body: ChatCompletionRequest, response_id: str, created: int, cho
         "model": body.model,
         "choices": out,
         "usage": usage(choices),
+        REPORT_KEY: report(choices),  # the worker's extension (timings, adapter tier): clients ignore it
     }
     if body.prompt_logprobs is not None:
         # vLLM's place for it: the response's top level (every choice shares the one prompt)

@@ -34,10 +34,13 @@ from inference.server.serving import (
     engine_kwargs,
     new_id,
     now,
+    record_output,
+    report,
     sampling_params,
     usage,
 )
 from inference.server.structured import logit_bias, response_format
+from protocol.worker_api import REPORT_KEY
 
 # OpenAI's default for /v1/completions (chat has none: it runs to the context length).
 DEFAULT_MAX_TOKENS = 16
@@ -167,9 +170,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
 
     def events(out: RequestOutput) -> list[str]:
         choice = choices[out.request_id]
-        choice.prompt_tokens = out.usage.prompt_tokens
-        choice.cached_tokens = out.usage.cached_tokens
-        choice.token_ids = out.token_ids
+        record_output(choice, out)
         text, delta_logprobs, delta_ids = out.delta_text, list(out.delta_logprobs or ()), list(out.delta_token_ids)
         if body.echo and out.request_id not in echoed:  # the prompt rides in the first chunk
             echoed.add(out.request_id)
@@ -193,7 +194,8 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         if not include_usage:
             return []
         return [sse.event({"id": response_id, "object": "text_completion", "created": created,
-                           "model": body.model, "choices": [], "usage": usage(choices)})]
+                           "model": body.model, "choices": [], "usage": usage(choices),
+                           REPORT_KEY: report(choices)})]
 
     return serving.stream_response(stream, first, events, final)
 
@@ -209,6 +211,7 @@ def _completion(body: CompletionRequest, response_id: str, created: int, choices
         "choices": [_choice(body, c, tokenizer, want_top, echo_texts) for c in sorted(choices.values(),
                                                                                      key=lambda c: c.index)],
         "usage": usage(choices),
+        REPORT_KEY: report(choices),  # the worker's extension (timings, adapter tier): clients ignore it
     }
 
 

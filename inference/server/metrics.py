@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from inference.server.async_engine import AsyncEngine, RequestStream, StepOutput
+from protocol.worker_api import ADAPTER_TIERS
 
 ENGINE = "0"  # vLLM's `engine` label (data-parallel engine index); one engine per worker here
 LABELS = ("model_name", "engine")
@@ -36,6 +37,8 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason strings
 LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TIERS = ("device", "host", "loading", "disk", "failed")
+BASE_TIER = "base"  # loraplex:adapter_tier_requests' label for a request without an adapter
+ARRIVAL_TIERS = (*ADAPTER_TIERS, BASE_TIER)
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -71,6 +74,13 @@ class ServerMetrics:
         self.generation_tokens: Histogram | None = None
         self.adapter_requests = Counter("loraplex:adapter_requests", "Finished requests per adapter ('' = base).",
                                         ["adapter"], registry=self.registry)
+        # Cold vs warm starts: where each finished request found its adapter on arrival
+        # (RequestOutput.adapter_tier); "base" for base-model requests. Every tier shows from start.
+        self.tier_requests = Counter("loraplex:adapter_tier_requests",
+                                     "Finished requests by where their adapter was on arrival (device = warm; "
+                                     "host, disk = cold; base = no adapter).", ["tier"], registry=self.registry)
+        for tier in ARRIVAL_TIERS:
+            self.tier_requests.labels(tier)
         self.registry.register(_EngineCollector(self))
 
     def engine_loaded(self, llm) -> None:
@@ -122,6 +132,7 @@ class ServerMetrics:
                 self.generation_tokens.labels(*labels).observe(out.usage.completion_tokens)
             self.success.labels(*labels, out.finish_reason or "unknown").inc()
             self.adapter_requests.labels(stream.adapter_name or "").inc()
+            self.tier_requests.labels(out.adapter_tier or BASE_TIER).inc()
 
 
 class _EngineCollector:

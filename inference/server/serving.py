@@ -4,6 +4,10 @@ submitting to the engine, collecting or streaming outputs, and client disconnect
 A client request becomes one engine request per choice (n) and prompt; they are added all or
 nothing, run in the same batches as everyone else's, and are aborted together when the client
 goes away (their KV blocks and adapter references are freed on the engine thread's next turn).
+
+Each answer (and a stream's usage chunk) carries the worker's report on the request beside
+OpenAI's fields (`report`, protocol.worker_api.RequestReport under REPORT_KEY): where its adapter
+was found on arrival, its queue time, time to first token and inter-token gap.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from inference.server.async_engine import AsyncEngine, EngineDeadError, RequestS
 from inference.server.errors import APIError, from_value_error, model_not_found
 from inference.server.protocol import _Sampling
 from inference.server.structured import as_api_error
-from protocol.worker_api import SERVER_OVERLOADED, WORKER_DRAINING
+from protocol.worker_api import ADAPTER_TIERS, SERVER_OVERLOADED, WORKER_DRAINING, RequestReport
 
 if TYPE_CHECKING:  # the engine's modules (torch) load on the engine thread, after the server bound
     from inference.engine.structured_output import StructuredOutput
@@ -53,6 +57,22 @@ class Choice:
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     sent_role: bool = False
+    # For the worker's report (protocol.worker_api.RequestReport): seconds since arrival.
+    adapter_tier: str = ""
+    queue_time: float | None = None
+    time_to_first_token: float | None = None
+    latency: float | None = None
+
+
+def record_output(choice: Choice, out: RequestOutput) -> None:
+    """What every output tells its choice, streamed or not: token counts and timings."""
+    choice.prompt_tokens = out.usage.prompt_tokens
+    choice.cached_tokens = out.usage.cached_tokens
+    choice.token_ids = out.token_ids
+    choice.adapter_tier = out.adapter_tier
+    choice.queue_time = out.queue_time
+    choice.time_to_first_token = out.time_to_first_token
+    choice.latency = out.latency
 
 
 def sampling_params(body: _Sampling, *, max_tokens: int | None, logprobs: int | None, choice: int,
@@ -162,10 +182,8 @@ class Serving:
         async def run() -> None:
             async for out in self.engine.outputs(stream):
                 choice = choices[out.request_id]
+                record_output(choice, out)
                 choice.text = out.text
-                choice.token_ids = out.token_ids
-                choice.prompt_tokens = out.usage.prompt_tokens
-                choice.cached_tokens = out.usage.cached_tokens
                 choice.prompt_token_ids = out.prompt_token_ids
                 if out.prompt_logprobs is not None:
                     choice.prompt_logprobs = out.prompt_logprobs
@@ -234,6 +252,30 @@ def usage(choices: dict[str, Choice]) -> dict:
     completion = sum(len(c.token_ids) for c in choices.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# Coldest last: a request's choices report the coldest tier any of them found (RequestReport).
+_TIER_ORDER = ("", *ADAPTER_TIERS)
+
+
+def report(choices: dict[str, Choice]) -> dict:
+    """The worker's report on a client request (protocol.worker_api.RequestReport, REPORT_KEY),
+    from its choices' last outputs: the coldest adapter tier, the longest queue time, the earliest
+    first token, and the mean gap between tokens after each choice's first, in milliseconds."""
+    values = list(choices.values())
+    tier = max((c.adapter_tier for c in values), key=_TIER_ORDER.index, default="")
+    queued = [c.queue_time for c in values if c.queue_time is not None]
+    firsts = [c.time_to_first_token for c in values if c.time_to_first_token is not None]
+    # Decoding after the first token: (latency - ttft) over (tokens - 1), summed over finished choices.
+    decoded = [(c.latency - c.time_to_first_token, len(c.token_ids) - 1) for c in values
+               if c.latency is not None and c.time_to_first_token is not None and len(c.token_ids) >= 2]
+    gaps = sum(n for _, n in decoded)
+    return RequestReport(
+        adapter_tier=tier,
+        queue_ms=max(queued) * 1000 if queued else None,
+        ttft_ms=min(firsts) * 1000 if firsts else None,
+        inter_token_ms=max(0.0, sum(t for t, _ in decoded)) * 1000 / gaps if gaps else None,
+    ).to_json()
 
 
 # Engine errors that come from the request's output constraint, not from its model: a grammar

@@ -20,6 +20,9 @@ from portal.fleet.inflight import inflight_finished, inflight_started
 from portal.gateway.auth import Caller
 from portal.quotas.services import Admission, quota_settle
 from portal.usage.spool import usage_record_save
+from protocol.worker_api import RequestReport
+
+DISK = "disk"  # protocol.worker_api.ADAPTER_TIERS: the adapter was read for the request
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +58,23 @@ class Ledger:
     completion_tokens: int | None = None
     cached_prompt_tokens: int = 0  # of prompt_tokens, found in the worker's prefix cache
     relayed_tokens: int = 0  # content / tool-call chunks relayed: the count if the usage never arrives
+    # When the first and the last of those chunks were relayed (time.monotonic): a stream's
+    # inter-token gap, as the client saw it.
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # The worker's report (protocol.worker_api.RequestReport): where it found the adapter, its
+    # queue time, its inter-token gap (a non-streamed answer's only one).
+    adapter_tier: str = ""
+    queue_ms: float | None = None
+    worker_inter_token_ms: float | None = None
+    # The gateway loaded the adapter onto the worker for this request (relay's lazy load): the
+    # worker then found it in host memory, but the request paid the read from disk.
+    loaded_adapter: bool = False
+    upstream_attempts: int = 0  # workers the request was sent to (relay.open_upstream)
     constrained: str = ""  # validation.constraint_of the body: json_object, json_schema, tools or ""
     finish_reason: str = ""
     error: str = ""
+    error_code: str = ""  # the OpenAI error code (else type) the client got, or that ended its stream
     status_code: int = 200
     client_disconnected: bool = False
     _closed: bool = False
@@ -69,6 +86,39 @@ class Ledger:
         self.completion_tokens = _count(usage.get("completion_tokens"))
         details = usage.get("prompt_tokens_details")
         self.cached_prompt_tokens = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+
+    def read_report(self, value) -> None:
+        """The worker's REPORT_KEY object, if it sent one (a worker of another make sends none)."""
+        report = RequestReport.from_json(value)
+        if report is not None:
+            self.adapter_tier = report.adapter_tier
+            self.queue_ms = report.queue_ms
+            self.worker_inter_token_ms = report.inter_token_ms
+
+    def token_relayed(self) -> None:
+        """One content or tool-call chunk went to the client."""
+        self.relayed_tokens += 1
+        self.last_token_at = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = self.last_token_at
+
+    def fail(self, *, status: int | None = None, message: str, code: str | None, type: str = "") -> None:
+        """The request ended in an error the client was told of: an error answer (`status`), or
+        an error event ending a stream that began with a 200 (status None)."""
+        if status is not None:
+            self.status_code = status
+        self.error = message
+        self.error_code = code or type or ""
+
+    def inter_token_ms(self, completion_tokens: int) -> float | None:
+        """The mean gap between tokens after the first: for a stream, between the first and the
+        last token chunk relayed (what the client saw), over the gaps between its tokens; for a
+        non-streamed answer, the worker's (None when it did not say)."""
+        if not self.stream:
+            return self.worker_inter_token_ms
+        if completion_tokens < 2 or self.relayed_tokens < 2:
+            return None  # one token (or one chunk carrying them all): no gap was seen
+        return (self.last_token_at - self.first_token_at) * 1000 / (completion_tokens - 1)
 
     def count_in_flight(self) -> None:
         """The worker at worker_url accepted the request: it counts in routing's load until close."""
@@ -115,13 +165,18 @@ class Ledger:
             completion_tokens=completion,
             cached_prompt_tokens=min(self.cached_prompt_tokens, prompt),
             constrained=self.constrained,
+            adapter_tier=DISK if self.loaded_adapter else self.adapter_tier,
             time_to_first_token_ms=(
                 (self.first_chunk_at - self.started) * 1000 if self.first_chunk_at is not None else None),
+            inter_token_ms=self.inter_token_ms(completion),
+            queue_ms=self.queue_ms,
             latency_ms=(now - self.started) * 1000,
             finish_reason=self.finish_reason or "",
             error=self.error,
+            error_code=self.error_code,
             status_code=self.status_code,
             client_disconnected=self.client_disconnected,
+            upstream_attempts=self.upstream_attempts,
             created_at=self.started_at,
             finished_at=timezone.now(),
         )

@@ -11,7 +11,8 @@
     Completion       the worker's answer: read whole (non-streaming), or relayed chunk by chunk
                      with the public model id, the ledger fed on the way and written when the
                      stream ends or the client leaves (a stream never started is given up after
-                     STREAM_START_GRACE)
+                     STREAM_START_GRACE). The worker's report (worker_api.REPORT_KEY: adapter
+                     tier, queue time...) goes to the ledger and is taken out of what the client gets
 
 Every call to a worker goes through portal.fleet.client.
 """
@@ -151,11 +152,13 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
     retry_after: int | None = None
     for position, worker in enumerate(candidates, start=1):
         url = worker.url.rstrip("/")
+        ledger.upstream_attempts = position
         loaded = False
         while True:  # left by return, raise, or break: this worker failed, try the next
             reply, stream = await client.open_completion(url, path=WORKER_PATHS[endpoint], content=content)
             if stream is not None:
                 ledger.worker_url = url
+                ledger.loaded_adapter = loaded
                 ledger.count_in_flight()
                 return stream
             if reply.status is None:
@@ -217,6 +220,7 @@ class Completion:
         ledger.first_chunk_at = time.monotonic()
         if isinstance(answer, dict):
             answer["model"] = self.model
+            ledger.read_report(answer.pop(worker_api.REPORT_KEY, None))  # the worker's, not the client's
             ledger.read_usage(answer.get("usage") if isinstance(answer.get("usage"), dict) else {})
             choices = answer.get("choices") or [{}]
             ledger.finish_reason = str((choices[0] or {}).get("finish_reason") or "")
@@ -256,7 +260,8 @@ class Completion:
                     if "error" in chunk:
                         error = ErrorObject.from_json(chunk) or ErrorObject(str(chunk["error"]), type="server_error")
                         error = dataclasses.replace(error, message=_scrub(error.message, self.target))
-                        ledger.error = error.message or "the worker reported an error"
+                        ledger.fail(message=error.message or "the worker reported an error", code=error.code,
+                                    type=error.type or "server_error")
                         observe.stream_failed(error.code or error.type)
                         yield error.to_json()
                         continue
@@ -272,8 +277,10 @@ class Completion:
                 if not (broken.ended and ledger.error):  # a stream that reported its error may end so
                     log.warning("%s: the inference worker failed mid-stream (%s) (%s)", self.request_id, broken,
                                 ledger.worker_url)
-                    ledger.error = without_addresses(f"the inference worker failed mid-stream ({broken})")
-                    error_chunk = ErrorObject(ledger.error, type="server_error", code="worker_failed").to_json()
+                    error = ErrorObject(without_addresses(f"the inference worker failed mid-stream ({broken})"),
+                                        type="server_error", code="worker_failed")
+                    ledger.fail(message=error.message, code=error.code)
+                    error_chunk = error.to_json()
                     observe.stream_failed("worker_failed")
             if error_chunk is not None:
                 yield error_chunk
@@ -284,10 +291,12 @@ class Completion:
             await ledger.close()
 
     def _count(self, chunk: dict) -> None:
-        """The ledger's view of one chunk: time to first token, usage, finish reason, tokens."""
+        """The ledger's view of one chunk: time to first token, usage, the worker's report (taken
+        out of the chunk: the client gets OpenAI's shape), finish reason, tokens."""
         ledger = self.ledger
         if ledger.first_chunk_at is None:
             ledger.first_chunk_at = time.monotonic()
+        ledger.read_report(chunk.pop(worker_api.REPORT_KEY, None))
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             ledger.read_usage(usage)
@@ -298,4 +307,4 @@ class Completion:
                 ledger.finish_reason = str(choice["finish_reason"])
             delta = choice.get("delta")
             if choice.get("text") or (isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls"))):
-                ledger.relayed_tokens += 1
+                ledger.token_relayed()

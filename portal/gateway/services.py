@@ -48,8 +48,8 @@ def new_request_id() -> str:
 async def completion_rejected(*, caller: Caller, request_id: str, error: GatewayError) -> None:
     """Write the ledger row of an authenticated request refused before the pipeline (a body
     that is not JSON, too large...)."""
-    ledger = Ledger(request_id=request_id, caller=caller, model="", stream=False,
-                    status_code=error.status, error=error.message)
+    ledger = Ledger(request_id=request_id, caller=caller, model="", stream=False)
+    ledger.fail(status=error.status, message=error.message, code=error.code, type=error.type)
     await ledger.close()
 
 
@@ -87,8 +87,7 @@ async def completion_stream(*, caller: Caller, endpoint: str, body: dict, reques
         await completion.read()
         return completion
     except GatewayError as exc:
-        ledger.status_code = exc.status
-        ledger.error = exc.message
+        ledger.fail(status=exc.status, message=exc.message, code=exc.code, type=exc.type)
         raise
     except asyncio.CancelledError:
         ledger.client_disconnected = True
@@ -96,8 +95,8 @@ async def completion_stream(*, caller: Caller, endpoint: str, body: dict, reques
         raise
     except Exception as exc:  # noqa: BLE001 -- the database or Redis failed us: 503 / 500, in JSON
         error = unexpected(exc, request_id=request_id)
-        ledger.status_code = error.status
-        ledger.error = without_addresses(f"{error.message} ({type(exc).__name__}: {exc})")  # tenants read it
+        ledger.fail(status=error.status, message=without_addresses(f"{error.message} ({type(exc).__name__}: {exc})"),
+                    code=error.code, type=error.type)  # tenants read the message
         raise error from exc
     finally:
         if not streaming:

@@ -21,6 +21,7 @@ REQUEST_ID_MAX_LENGTH = 200
 MODEL_MAX_LENGTH = 200
 WORKER_URL_MAX_LENGTH = 500
 FINISH_REASON_MAX_LENGTH = 32
+ERROR_CODE_MAX_LENGTH = 64
 
 
 class UsageRecord(models.Model):
@@ -31,6 +32,14 @@ class UsageRecord(models.Model):
         JSON_OBJECT = "json_object", "JSON object"
         JSON_SCHEMA = "json_schema", "JSON schema"
         TOOLS = "tools", "tool call"
+
+    class AdapterTier(models.TextChoices):
+        """Where the worker found the request's adapter when the request arrived (the worker says)."""
+
+        NONE = "", "base model or not reported"
+        DEVICE = "device", "in a device slot (warm)"
+        HOST = "host", "in host memory, copied into a slot for it"
+        DISK = "disk", "read from disk or fetched for it"
 
     # The gateway's x-request-id; unique, which is what makes the write exactly-once.
     request_id = models.CharField(max_length=REQUEST_ID_MAX_LENGTH, unique=True)
@@ -54,20 +63,40 @@ class UsageRecord(models.Model):
     # forced tool call: its tokens were masked by a grammar, which costs the worker more per token.
     constrained = models.CharField(max_length=16, choices=Constrained.choices, default=Constrained.NONE,
                                    blank=True)
+    # Cold start: an adapter not in a device slot when its request arrived (host or disk) was
+    # loaded for it; the seeds' key figure is that request's extra time to first token.
+    adapter_tier = models.CharField(max_length=8, choices=AdapterTier.choices, default=AdapterTier.NONE,
+                                    blank=True)
     time_to_first_token_ms = models.FloatField(null=True, blank=True)
+    # Mean gap between output tokens after the first (None with fewer than two tokens).
+    inter_token_ms = models.FloatField(null=True, blank=True)
+    # The worker engine's queue time: arrival to first scheduled (None when it never ran).
+    queue_ms = models.FloatField(null=True, blank=True)
     latency_ms = models.FloatField(default=0.0)
     finish_reason = models.CharField(max_length=FINISH_REASON_MAX_LENGTH, blank=True)
     error = models.TextField(blank=True)
+    # The OpenAI error code (or type, when it has no code) the client was answered with, or
+    # that ended its stream; "" without an error. Tells a 429 rate limit from a spent budget.
+    error_code = models.CharField(max_length=ERROR_CODE_MAX_LENGTH, blank=True)
     status_code = models.PositiveSmallIntegerField(default=200)
     client_disconnected = models.BooleanField(default=False)
+    # Workers the gateway sent the request to: 0 = none (refused before routing), > 1 = retried.
+    upstream_attempts = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now, help_text="When the request started.")
     finished_at = models.DateTimeField(default=timezone.now)
+    # When the row was written: a row may land long after created_at (a long stream, the spool
+    # replaying after a database outage); roll-ups recompute the buckets such rows fall in.
+    recorded_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
         ordering = ["-created_at", "-id"]
         indexes = [
             models.Index(fields=["tenant", "created_at"], name="usage_record_tenant_created"),
             models.Index(fields=["created_at"], name="usage_record_created"),
+            models.Index(fields=["recorded_at"], name="usage_record_recorded"),
+            # Error dashboards read only these rows (a few percent of the ledger).
+            models.Index(fields=["created_at"], name="usage_record_errors",
+                         condition=models.Q(status_code__gte=400) | ~models.Q(error="")),
         ]
 
     def __str__(self) -> str:

@@ -17,6 +17,7 @@ from portal.keys.models import ApiKey
 from portal.tenants.models import Tenant
 from portal.usage.models import (
     COMPLETED_Q,
+    ERROR_CODE_MAX_LENGTH,
     ERROR_Q,
     FINISH_REASON_MAX_LENGTH,
     MODEL_MAX_LENGTH,
@@ -50,12 +51,17 @@ def usage_record_create(
     completion_tokens: int = 0,
     cached_prompt_tokens: int = 0,
     constrained: str = "",
+    adapter_tier: str = "",
     time_to_first_token_ms: float | None = None,
+    inter_token_ms: float | None = None,
+    queue_ms: float | None = None,
     latency_ms: float = 0.0,
     finish_reason: str | None = "",
     error: str | None = "",
+    error_code: str | None = "",
     status_code: int = 200,
     client_disconnected: bool = False,
+    upstream_attempts: int = 0,
     created_at: datetime | None = None,
     finished_at: datetime | None = None,
 ) -> UsageRecord:
@@ -79,6 +85,14 @@ def usage_record_create(
         raise InvalidInput("cached_prompt_tokens", f"{cached_prompt_tokens} is more than prompt_tokens ({prompt_tokens})")
     if constrained not in UsageRecord.Constrained.values:
         raise InvalidInput("constrained", f"must be one of {UsageRecord.Constrained.values}, got {constrained!r}")
+    if adapter_tier not in UsageRecord.AdapterTier.values:
+        raise InvalidInput("adapter_tier", f"must be one of {UsageRecord.AdapterTier.values}, got {adapter_tier!r}")
+    for field, value in (("inter_token_ms", inter_token_ms), ("queue_ms", queue_ms)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not 0 <= value < float("inf")):
+            raise InvalidInput(field, f"must be a non-negative number of milliseconds or None, got {value!r}")
+    if isinstance(upstream_attempts, bool) or not isinstance(upstream_attempts, int) or not 0 <= upstream_attempts < 2**15:
+        raise InvalidInput("upstream_attempts", f"must be a non-negative integer, got {upstream_attempts!r}")
     if api_key is not None and api_key.tenant_id != tenant.pk:
         raise InvalidInput("api_key", f"belongs to another tenant than {tenant}")
     now = timezone.now()
@@ -100,12 +114,17 @@ def usage_record_create(
         completion_tokens=completion_tokens,
         cached_prompt_tokens=cached_prompt_tokens,
         constrained=constrained,
+        adapter_tier=adapter_tier,
         time_to_first_token_ms=time_to_first_token_ms,
+        inter_token_ms=inter_token_ms,
+        queue_ms=queue_ms,
         latency_ms=latency_ms,
         finish_reason=storable_text(finish_reason, FINISH_REASON_MAX_LENGTH),
         error=storable_text(error),
+        error_code=storable_text(error_code, ERROR_CODE_MAX_LENGTH),
         status_code=status_code,
         client_disconnected=client_disconnected,
+        upstream_attempts=upstream_attempts,
         created_at=created_at,
         finished_at=finished_at,
     )

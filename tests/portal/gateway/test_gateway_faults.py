@@ -71,6 +71,7 @@ def test_worker_killed_mid_stream(acme, live, settings, throwaway_worker):
     row = wait_for_row(request_id)
     assert "mid-stream" in row.error and not row.client_disconnected
     assert row.worker_url == throwaway_worker.url
+    assert row.status_code == 200 and row.error_code == "worker_failed" and row.upstream_attempts == 1
     # A 200 whose stream ended in an error event: counted as that error.
     assert scrape(live.url)("loraplex_gateway_errors_total", **failed) == before + 1
 
@@ -83,10 +84,14 @@ def test_a_dead_worker_first_in_line_is_skipped(acme, worker, live, settings):
     raw = sdk(live, acme.key).chat.completions.with_raw_response.create(
         model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert raw.status_code == 200
-    assert wait_for_row(raw.headers["x-request-id"]).worker_url == worker.url
+    row = wait_for_row(raw.headers["x-request-id"])
+    assert row.worker_url == worker.url
+    assert row.upstream_attempts == 2 and row.error_code == ""  # the dead one, then the live one
 
     settings.INFERENCE_URLS = [dead]
     with pytest.raises(openai.InternalServerError) as info:
         sdk(live, acme.key).chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hi"}],
                                                     max_tokens=2)
     assert info.value.status_code == 503 and info.value.body["code"] == "no_worker_available"
+    row = wait_for_row(info.value.response.headers["x-request-id"])
+    assert (row.status_code, row.error_code, row.upstream_attempts) == (503, "no_worker_available", 1)

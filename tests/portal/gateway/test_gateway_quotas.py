@@ -40,6 +40,10 @@ def test_fifty_concurrent_requests_against_ten_per_minute(live):
             assert response.headers["x-ratelimit-reset-requests"]
             assert int(response.headers["retry-after"]) >= 1
             assert "x-should-retry" not in response.headers
+    for response in responses:  # refused before any worker: the code the client got, no attempt
+        row = wait_for_row(response.headers["x-request-id"])
+        expected = ("", 1) if response.status_code == 200 else ("rate_limit_exceeded", 0)
+        assert (row.error_code, row.upstream_attempts) == expected
     ok = [r for r in responses if r.status_code == 200]
     for response in ok:
         row = wait_for_row(response.headers["x-request-id"])
@@ -106,4 +110,5 @@ def test_exhausted_budget_is_a_final_429(live):
     assert "budget" in info.value.body["message"].lower()
     from portal.usage.models import UsageRecord
 
-    assert UsageRecord.objects.filter(tenant=caller.tenant, status_code=429).count() == 1  # the SDK did not retry
+    [refused] = UsageRecord.objects.filter(tenant=caller.tenant, status_code=429)  # the SDK did not retry
+    assert refused.error_code == "insufficient_quota" and refused.upstream_attempts == 0

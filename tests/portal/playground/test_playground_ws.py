@@ -86,6 +86,7 @@ async def test_another_tenants_adapter_is_not_found(live_worker, cookie):
     await comm.disconnect()
     refused = await rows(model__startswith="globex/")
     assert len(refused) == 2 and {r.status_code for r in refused} == {404}
+    assert {(r.error_code, r.upstream_attempts) for r in refused} == {("model_not_found", 0)}
     assert all(r.api_key_id is None and r.tenant.slug == "acme" for r in await rows(model__startswith="globex/"))
 
 
@@ -118,6 +119,10 @@ async def test_chat_streams_deltas_and_writes_one_usage_row(live_worker, cookie)
     assert row.status_code == 200 and row.completion_tokens == 6 and row.finish_reason == "length"
     assert not row.client_disconnected and row.time_to_first_token_ms > 0
     assert row.worker_url == live_worker.url
+    # the same ledger fields as /v1: the base has no adapter tier; the worker's queue time; six tokens' gaps
+    assert row.adapter_tier == "" and row.error_code == "" and row.upstream_attempts == 1
+    assert row.queue_ms is not None and 0 <= row.queue_ms <= row.latency_ms
+    assert row.inter_token_ms is not None and 0 < row.inter_token_ms * 5 <= row.latency_ms
     await database_sync_to_async(wait_until)(lambda: UsageRecord.objects.count() == 2)
 
 
@@ -184,9 +189,9 @@ async def test_same_quotas_as_the_api(live_worker, cookie):
     assert error["type"] == "error" and error["status"] == 429 and error["code"] == "rate_limit_exceeded"
     await comm.disconnect()
     statuses = await database_sync_to_async(
-        lambda: wait_until(lambda: sorted(UsageRecord.objects.values_list("status_code", flat=True))
+        lambda: wait_until(lambda: sorted(UsageRecord.objects.values_list("status_code", "error_code"))
                            if UsageRecord.objects.count() == 2 else None))()
-    assert statuses == [200, 429]
+    assert statuses == [(200, ""), (429, "rate_limit_exceeded")]
 
 
 async def test_bad_messages_and_viewers(live_worker, cookie, django_user_model):
