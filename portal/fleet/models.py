@@ -122,3 +122,97 @@ class WorkerDiscovery(models.Model):
 
     def __str__(self) -> str:
         return self.spec
+
+
+# -- history: what each poll saw, kept over time (portal.fleet.history folds and prunes it) -----
+
+# The memory gauges a worker reports (loraplex:memory_bytes{kind}) that history keeps; a worker's
+# other memory gauges (process RSS, ...) are shown live only.
+MEMORY_KINDS = ("base_weights", "kv_cache", "adapter_slots", "host_adapters")
+# Adapter tiers counted per sample: in memory (device slots, host), on their way (loading),
+# registered but evicted (disk) and broken (failed).
+SAMPLE_TIERS = ("device", "host", "loading", "disk", "failed")
+# Gauges: a raw sample holds the polled value in both columns; a folded row the mean over the
+# healthy polls it folds (weighted by `samples` when minutes fold into hours) and the max.
+GAUGES = ("num_running", "num_waiting", "kv_cache_usage", *(f"adapters_{t}" for t in SAMPLE_TIERS),
+          *(f"memory_{k}" for k in MEMORY_KINDS))
+# Cumulative counters since the worker started (cache_stats): a folded row keeps the last value;
+# rates come from differences between consecutive rows (a drop is a restart).
+COUNTERS = ("loads", "load_failures", "misses", "hits_device", "hits_host", "evictions_device", "evictions_host")
+
+
+class Resolution(models.TextChoices):
+    RAW = "raw", "every poll"
+    MINUTE = "minute", "1 minute"
+    HOUR = "hour", "1 hour"
+
+
+def _gauge_fields() -> dict:
+    fields = {}
+    for name in GAUGES:
+        fields[name] = models.FloatField(null=True, blank=True)
+        fields[f"{name}_max"] = models.FloatField(null=True, blank=True)
+    return fields
+
+
+def _counter_fields() -> dict:
+    return {name: models.BigIntegerField(null=True, blank=True) for name in COUNTERS}
+
+
+class WorkerSample(models.Model):
+    """One worker at one poll (resolution raw), or one worker's polls over a minute or an hour
+    folded into one row (`at` = the bucket's start). One table for all three resolutions: the
+    history selector reads them with one query (a folded row is a raw row with `samples` > 1),
+    and a fold is one INSERT ... SELECT within it. Gauges and counters are NULL where nothing is
+    known: a poll that found the worker unhealthy, or a bucket with no healthy poll."""
+
+    # Not a constraint: a discovered pod's row is deleted an hour after it left
+    # (services.FORGET_GONE_AFTER); its history stays, and ids are never reused.
+    worker = models.ForeignKey(InferenceWorker, on_delete=models.DO_NOTHING, db_constraint=False,
+                               related_name="+")
+    at = models.DateTimeField()
+    resolution = models.CharField(max_length=6, choices=Resolution.choices, default=Resolution.RAW)
+    polls = models.PositiveIntegerField(default=1)  # polls folded in (1 for raw)
+    samples = models.PositiveIntegerField(default=1)  # of which healthy: the weight of the means
+    healthy = models.BooleanField()  # raw: the poll's; folded: any healthy poll in the bucket
+    state = models.CharField(max_length=12)  # InferenceWorker.state at the (last) poll
+    locals().update(_gauge_fields())
+    locals().update(_counter_fields())
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["worker", "resolution", "at"], name="fleet_sample_one_per_bucket",
+                                    condition=~models.Q(resolution="raw")),
+        ]
+        indexes = [models.Index(fields=["resolution", "at"], name="fleet_sample_res_at")]
+
+    def __str__(self) -> str:
+        return f"worker {self.worker_id} at {self.at:%Y-%m-%d %H:%M:%S} ({self.resolution})"
+
+
+class WorkerEvent(models.Model):
+    """A change of a worker's state, written when it happens (not every poll): the annotations
+    on the history charts."""
+
+    class Kind(models.TextChoices):
+        HEALTHY = "healthy", "became healthy"
+        UNHEALTHY = "unhealthy", "became unhealthy"
+        DRAINING = "draining", "draining (shutting down)"
+        MISMATCHED = "mismatched", "serves another base model"
+        GONE = "gone", "left its discovery name"
+        BACK = "back", "listed by its discovery name again"
+
+    worker = models.ForeignKey(InferenceWorker, on_delete=models.DO_NOTHING, db_constraint=False,
+                               related_name="+")
+    worker_name = models.CharField(max_length=100)  # the name then (the row may be gone since)
+    at = models.DateTimeField()
+    kind = models.CharField(max_length=12, choices=Kind.choices)
+    detail = models.TextField(blank=True)  # last_error, or the base model a healthy worker serves
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["at"], name="fleet_event_at"),
+                   models.Index(fields=["worker", "at"], name="fleet_event_worker_at")]
+
+    def __str__(self) -> str:
+        return f"{self.worker_name} {self.kind} at {self.at:%Y-%m-%d %H:%M:%S}"

@@ -25,13 +25,28 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db import connection
 from django.db.models import F, Min
+from django.utils import timezone
 
+from portal.core.ranges import TimeRange
+from portal.fleet.history import WIDTH, folded_until, history_resolution
 from portal.fleet.inflight import InflightSnapshot
-from portal.fleet.models import RESIDENT_TIERS, WORKER_STATES, InferenceWorker, normalize_worker_url
+from portal.fleet.models import (
+    COUNTERS,
+    GAUGES,
+    MEMORY_KINDS,
+    RESIDENT_TIERS,
+    WORKER_STATES,
+    InferenceWorker,
+    Resolution,
+    WorkerEvent,
+    WorkerSample,
+    normalize_worker_url,
+)
 
 BASE_KEY = "base"
 # The relative bound is never below this: with few requests in flight (3 over 16 workers: the
@@ -198,3 +213,153 @@ def worker_state_counts() -> dict[str, int]:
     for worker in InferenceWorker.objects.only("enabled", "healthy", "gone_since", "last_error"):
         counts[worker.state] += 1
     return counts
+
+
+# -- history (portal.fleet.history keeps it) --------------------------------------------------
+
+# How far before the first bucket the history query also reads, so the first bucket's counters
+# have a previous value to differ from (a worker unseen for longer counts from its next poll).
+LOOKBACK = {Resolution.RAW: timedelta(minutes=5), Resolution.MINUTE: timedelta(minutes=30),
+            Resolution.HOUR: timedelta(days=1)}
+# The rates: (series, key) <- the counter whose differences they are. Loads "host": adapters read
+# from disk into host memory; "device": adapters copied from host memory into a device slot
+# (a request that found its adapter in host memory: hits{tier=host}).
+RATES = {("loads_per_min", "host"): "loads", ("loads_per_min", "device"): "hits_host",
+         ("evictions_per_min", "device"): "evictions_device", ("evictions_per_min", "host"): "evictions_host",
+         ("load_failures_per_min", None): "load_failures"}
+MIN_RATE_SPAN = timedelta(seconds=10)  # one poll (portal.fleet.tasks.POLL_EVERY_SECONDS)
+_EPOCH_SQL = "TIMESTAMPTZ '1970-01-01 00:00:00+00'"
+
+
+def fleet_history(*, time_range: TimeRange, worker: int | None = None, now: datetime | None = None) -> dict:
+    """The fleet's history over `time_range` in its buckets, JSON-ready: summed over the workers
+    healthy in each bucket (kv_cache_usage: their mean, a fraction of each one's KV cache), or
+    one worker's (`worker` = its id). A worker's value in a bucket is its mean over its healthy
+    polls there; None where no worker was seen healthy. `peak`: the max within the bucket
+    (num_running, num_waiting: the sum of each worker's max, an upper bound of the fleet's at
+    any moment; kv_cache_usage: the fullest worker's). Rates per minute come from differences of
+    consecutive counter values (a drop is a worker restart: the new value is the difference).
+    Reads the coarsest resolution that holds the range and fits its buckets (history_resolution:
+    the same numbers as the raw polls, from fewer rows); the newest rows not folded into it yet
+    come from raw polls. `healthy`: workers seen healthy per bucket."""
+    now = now or timezone.now()
+    buckets = time_range.buckets()
+    first = buckets[0] if buckets else time_range.floor(time_range.start)
+    resolution = history_resolution(first, time_range.bucket, now=now)
+    rows = _history_rows(time_range, resolution=resolution, first=first, worker=worker)
+    index = {moment: i for i, moment in enumerate(buckets)}
+    n = len(buckets)
+    per_bucket: list[list[dict]] = [[] for _ in range(n)]
+    worker_ids = set()
+    for row in rows:
+        i = index.get(row["bucket"])
+        if i is not None:
+            per_bucket[i].append(row)
+            worker_ids.add(row["worker_id"])
+
+    # The minutes a bucket's differences span: the bucket, up to `end` for the one in progress
+    # (at least a poll); a row's width where rows are wider than buckets (hour rows of a range
+    # older than MINUTE_KEEP cut into minutes).
+    row_width = WIDTH.get(resolution, MIN_RATE_SPAN)
+    row_width = row_width if row_width > time_range.bucket else MIN_RATE_SPAN
+    minutes = [max(min(b + time_range.bucket, time_range.end) - b, row_width).total_seconds() / 60 for b in buckets]
+
+    def total(name: str) -> list:
+        return [_sum(r[name] for r in rs) if rs else None for rs in per_bucket]
+
+    def rate(counter: str) -> list:
+        out = []
+        for rs, span in zip(per_bucket, minutes, strict=True):
+            deltas = [r[f"d_{counter}"] for r in rs if r[f"d_{counter}"] is not None]
+            out.append(sum(deltas) / span if deltas else None)
+        return out
+
+    series = {
+        "num_running": total("num_running"),
+        "num_waiting": total("num_waiting"),
+        "kv_cache_usage": [_mean(r["kv_cache_usage"] for r in rs) if rs else None for rs in per_bucket],
+        "adapters": {"device": total("adapters_device"), "host": total("adapters_host")},
+        "loads_per_min": {}, "evictions_per_min": {},
+        "memory": {kind: [_int(v) for v in total(f"memory_{kind}")] for kind in MEMORY_KINDS},
+        "peak": {"num_running": total("num_running_max"), "num_waiting": total("num_waiting_max"),
+                 "kv_cache_usage": [max((r["kv_cache_usage_max"] for r in rs if r["kv_cache_usage_max"] is not None),
+                                        default=None) for rs in per_bucket]},
+        "healthy": [len(rs) for rs in per_bucket],
+    }
+    for (name, key), counter in RATES.items():
+        if key is None:
+            series[name] = rate(counter)
+        else:
+            series[name][key] = rate(counter)
+
+    events = WorkerEvent.objects.filter(at__gte=first, at__lt=time_range.end)
+    if worker is not None:
+        events = events.filter(worker_id=worker)
+    events = list(events.order_by("at", "id"))
+    worker_ids.update(e.worker_id for e in events)
+    if worker is not None:
+        worker_ids.add(worker)
+    return {
+        "buckets": [b.isoformat() for b in buckets],
+        "workers": _history_workers(worker_ids),
+        "series": series,
+        "annotations": [{"at": e.at.isoformat(), "worker": e.worker_name, "worker_id": e.worker_id, "kind": e.kind,
+                         "detail": e.detail} for e in events],
+        "resolution": str(resolution),
+    }
+
+
+def _history_rows(time_range: TimeRange, *, resolution: str, first: datetime, worker: int | None) -> list[dict]:
+    """One dict per (worker, bucket) with a healthy sample: gauge means and maxes, counter
+    differences summed. Rows of `resolution` up to where it is folded, raw rows after that
+    (two index range scans on (resolution, at), put end to end)."""
+    table = WorkerSample._meta.db_table
+    since = first - LOOKBACK[resolution]
+    folded = since if resolution == Resolution.RAW else max(folded_until(resolution) or since, since)
+    # Raw polls from where the folded rows end, reaching back no further than raw rows need to.
+    params = {"res": resolution, "since": since, "folded": min(folded, time_range.end), "end": time_range.end,
+              "raw_since": min(max(folded, first - LOOKBACK[Resolution.RAW]), time_range.end),
+              "bucket": time_range.bucket, "worker": worker}
+    columns = ", ".join(["worker_id", "at", "samples", *GAUGES, *(f"{g}_max" for g in GAUGES), *COUNTERS])
+    mine = " AND samples > 0" + (" AND worker_id = %(worker)s" if worker is not None else "")
+    lag = ", ".join(f"CASE WHEN {c} < LAG({c}) OVER w THEN {c} ELSE {c} - LAG({c}) OVER w END AS d_{c}"
+                    for c in COUNTERS)
+    means = ", ".join(f"SUM({g} * samples) / NULLIF(SUM(CASE WHEN {g} IS NOT NULL THEN samples END), 0) AS {g}, "
+                      f"MAX({g}_max) AS {g}_max" for g in GAUGES)
+    deltas = ", ".join(f"SUM(d_{c})::float8 AS d_{c}" for c in COUNTERS)
+    sql = (f"WITH src AS (SELECT {columns} FROM {table} "
+           f"WHERE resolution = %(res)s AND at >= %(since)s AND at < %(folded)s{mine} "
+           f"UNION ALL SELECT {columns} FROM {table} "
+           f"WHERE resolution = 'raw' AND at >= %(raw_since)s AND at < %(end)s{mine}), "
+           f"diffs AS (SELECT *, {lag} FROM src WINDOW w AS (PARTITION BY worker_id ORDER BY at)) "
+           f"SELECT worker_id, date_bin(%(bucket)s, at, {_EPOCH_SQL}) AS bucket, {means}, {deltas} "
+           "FROM diffs GROUP BY 1, 2 ORDER BY 2, 1")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        names = [column.name for column in cursor.description]
+        return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+
+
+def _history_workers(ids: set[int]) -> list[dict]:
+    """{"id", "name"} of each worker in a history, by name; a worker whose row is gone since is
+    named as its last event named it."""
+    names = {pk: str(w) for pk, w in InferenceWorker.objects.in_bulk(list(ids)).items()}
+    missing = ids - names.keys()
+    for event in WorkerEvent.objects.filter(worker_id__in=missing).order_by("at"):
+        names[event.worker_id] = event.worker_name
+    return sorted(({"id": pk, "name": names.get(pk, f"worker {pk}")} for pk in ids),
+                  key=lambda w: (w["name"], w["id"]))
+
+
+def _sum(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(sum(known)) if known else None
+
+
+def _mean(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def _int(value: float | None) -> int | None:
+    return round(value) if value is not None else None

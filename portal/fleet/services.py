@@ -9,7 +9,9 @@ A poll (fleet_poll, every 10 s on beat):
    thread pool (one hanging worker costs the others nothing; no ORM, never raises);
 3. the base check: a worker whose base model (name and shapes) differs from the fleet's is
    recorded unhealthy with the reason, so it is never routed to;
-4. `_record` writes what each probe saw onto its row, serially;
+4. `_record` writes what each probe saw onto its row, serially, and a WorkerEvent when the
+   worker's state changed; then one bulk insert keeps a WorkerSample per worker (the history:
+   portal.fleet.history);
 5. signals.fleet_polled tells other apps (portal.adapters stages what a worker lacks).
 """
 
@@ -27,10 +29,13 @@ from django.utils import timezone
 
 from portal.fleet.client import POLL_TIMEOUT, WorkerClient
 from portal.fleet.discovery import Resolution, parse_discovery, resolve_workers
+from portal.fleet.history import event_detail, sample_of, worker_condition
 from portal.fleet.models import (
     BASE_MISMATCH,
     InferenceWorker,
     WorkerDiscovery,
+    WorkerEvent,
+    WorkerSample,
     normalize_worker_url,
 )
 from portal.fleet.probe import Probe, probe_worker
@@ -115,21 +120,28 @@ def _sync_discovered(resolution: Resolution, *, now: datetime) -> None:
         InferenceWorker.objects.bulk_create(new, ignore_conflicts=True)
         logger.info("fleet: %s found new workers: %s", spec, ", ".join(w.url for w in new))
     back = InferenceWorker.objects.filter(discovered_by=spec, url__in=urls, gone_since__isnull=False)
+    returning = list(back)
     if back.update(gone_since=None, updated_at=now):
         logger.info("fleet: %s lists workers again that had left it", spec)
+        WorkerEvent.objects.bulk_create([
+            WorkerEvent(worker_id=w.pk, worker_name=str(w), at=now, kind=WorkerEvent.Kind.BACK,
+                        detail=f"listed by {spec} again") for w in returning])
     _mark_gone(InferenceWorker.objects.filter(discovered_by=spec).exclude(url__in=urls),
                reason=f"left the answer of {spec}", now=now)
 
 
 def _mark_gone(rows, *, reason: str, now: datetime) -> None:
     """Take discovered rows out of routing and polling at once (the pod is draining or gone)."""
-    leaving = list(rows.filter(gone_since__isnull=True).values_list("url", flat=True))
+    leaving = list(rows.filter(gone_since__isnull=True))
     if not leaving:
         return
-    rows.filter(url__in=leaving).update(
-        gone_since=now, healthy=False, last_error=f"gone: {reason} at {now:%Y-%m-%d %H:%M:%S} UTC; not routed",
-        **NOTHING_KNOWN, updated_at=now)
-    logger.info("fleet: workers gone (%s): %s", reason, ", ".join(leaving))
+    error = f"gone: {reason} at {now:%Y-%m-%d %H:%M:%S} UTC; not routed"
+    rows.filter(pk__in=[w.pk for w in leaving]).update(
+        gone_since=now, healthy=False, last_error=error, **NOTHING_KNOWN, updated_at=now)
+    WorkerEvent.objects.bulk_create([
+        WorkerEvent(worker_id=w.pk, worker_name=str(w), at=now, kind=WorkerEvent.Kind.GONE, detail=error)
+        for w in leaving if w.enabled])
+    logger.info("fleet: workers gone (%s): %s", reason, ", ".join(w.url for w in leaving))
 
 
 # --------------------------------------------------------------------------------- polls
@@ -141,7 +153,11 @@ def worker_poll(*, worker: InferenceWorker, timeout: httpx.Timeout | float = POL
     last_error saying which request failed and how."""
     with WorkerClient(timeout=timeout) as client:
         probe = probe_worker(worker.url, client=client)
-    return _record(worker=worker, probe=probe, now=timezone.now())
+    now = timezone.now()
+    worker = _record(worker=worker, probe=probe, now=now)
+    if worker.enabled:  # a disabled worker polled from the admin serves nothing: not history
+        WorkerSample.objects.bulk_create([sample_of(worker, now=now)])
+    return worker
 
 
 def fleet_poll(*, timeout: httpx.Timeout | float = POLL_TIMEOUT, resolver=None) -> list[InferenceWorker]:
@@ -160,6 +176,7 @@ def fleet_poll(*, timeout: httpx.Timeout | float = POLL_TIMEOUT, resolver=None) 
     listed = {w.url for w, p in zip(workers, probes, strict=True) if p.healthy and p.adapters_listed}
     now = timezone.now()
     rows = [_record(worker=w, probe=p, now=now) for w, p in zip(workers, probes, strict=True)]
+    WorkerSample.objects.bulk_create([sample_of(w, now=now) for w in rows])
     fleet_polled.send(sender=InferenceWorker, workers=rows, came_up=came_up, listed=listed)
     return rows
 
@@ -201,6 +218,8 @@ def _describe_base(name: str, config: dict) -> str:
 
 
 def _record(*, worker: InferenceWorker, probe: Probe, now: datetime) -> InferenceWorker:
+    # The state before this poll; None for a row never polled (its first poll is an event).
+    before = worker_condition(worker) if worker.last_polled_at is not None else None
     if probe.healthy:
         fields = {
             "healthy": True,
@@ -233,4 +252,8 @@ def _record(*, worker: InferenceWorker, probe: Probe, now: datetime) -> Inferenc
     InferenceWorker.objects.filter(pk=worker.pk).update(**fields)
     for name, value in fields.items():
         setattr(worker, name, value)
+    after = worker_condition(worker)
+    if after != before and after:
+        WorkerEvent.objects.create(worker_id=worker.pk, worker_name=str(worker), at=now, kind=after,
+                                   detail=event_detail(worker, after))
     return worker
