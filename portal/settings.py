@@ -164,6 +164,9 @@ CELERY_TASK_SOFT_TIME_LIMIT = 240  # any task not listed below
 CELERY_TASK_TIME_LIMIT = 300
 _TASKS = {  # name: (queue, soft limit, hard limit)
     "portal.fleet.tasks.fleet_poll_task": ("fleet", 25, 30),  # every 10 s; probes time out after 2 s
+    "portal.fleet.tasks.fleet_history_fold_task": ("celery", 120, 150),  # every minute: folds what is new
+    "portal.usage.tasks.usage_rollup_refresh_task": ("celery", 120, 150),  # every minute: ~1 s on 2M rows a month
+    "portal.usage.tasks.usage_rollup_prune_task": ("celery", 240, 300),  # hourly: deletes past retention
     "portal.adapters.tasks.adapter_version_validate_task": ("adapters", 600, 660),  # unpack + check GBs
     "portal.adapters.staging.version_stage_task": ("adapters", 330, 390),  # one load: up to 300 s
     "portal.adapters.staging.worker_unload_task": ("adapters", 60, 90),

@@ -25,6 +25,11 @@ class Tenant(models.Model):
     name = models.CharField(max_length=200)
     plan = models.CharField(max_length=20, choices=Plan.choices, default=Plan.FREE)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.ACTIVE)
+    # The tenant's TTFT objective: p95 time to first token in ms; None takes the plan's target
+    # (portal.tenants.plans). The dashboards show the share of requests meeting it.
+    ttft_p95_target_ms = models.PositiveIntegerField(
+        null=True, blank=True, verbose_name="TTFT p95 target (ms)",
+        help_text="Overrides the plan's time-to-first-token objective; empty: the plan's.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -11,6 +11,18 @@ BEAT_SCHEDULE = {
         "schedule": crontab(minute=5),
         "options": {"expires": 50 * 60},
     },
+    # The dashboards' minute/hour/day roll-ups (portal.usage.rollups): every minute, so that
+    # only the last minute or two is read from the ledger at query time.
+    "usage-rollup-refresh": {
+        "task": "portal.usage.tasks.usage_rollup_refresh_task",
+        "schedule": 60.0,
+        "options": {"expires": 55},
+    },
+    "usage-rollup-prune": {
+        "task": "portal.usage.tasks.usage_rollup_prune_task",
+        "schedule": crontab(minute=17),
+        "options": {"expires": 50 * 60},
+    },
     # Ledger rows spooled while PostgreSQL was unreachable (portal.usage.spool) go back in
     # within half a minute of it returning.
     "usage-spool-replay": {

@@ -3,7 +3,12 @@
     UsageRecord   one row per API request (keyed by the gateway's x-request-id), written once
                   when the request ends, however it ends; the system of record for billing
     DailyUsage    per (UTC day, tenant, public model id): counts, token sums and latency
-                  percentiles, rebuilt from the ledger by usage_rollup_day (Celery, hourly)
+                  percentiles, rebuilt from the ledger by usage_rollup_day (Celery, hourly);
+                  the console's usage pages and statements read it
+    UsageRollup   per (minute | hour | day, dashboard filter value): counts and exact latency
+                  percentiles, for the staff dashboards (portal.usage.rollups, every minute);
+    UsageErrorRollup  the same buckets' errors by tenant, status and code
+    RollupWatermark   how far each granularity has read the ledger (by recorded_at)
 
 Days and months are UTC days and months of `created_at` (when the request started).
 """
@@ -163,3 +168,114 @@ class DailyUsage(models.Model):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class UsageRollup(models.Model):
+    """One bucket (a UTC minute, hour or day) of the ledger for one dashboard filter value.
+
+    Percentiles do not add up across buckets or groups, so each row holds EXACT percentiles
+    (PostgreSQL percentile_cont over the bucket's ledger rows of that group), rebuilt by
+    portal.usage.rollups; a dashboard reads one row per bucket. Counts do add up (a 6-hour
+    bucket's requests are the sum of its hour rows). Percentiles are over completed requests
+    (COMPLETED_Q); None when the bucket has none with that timing.
+    """
+
+    class Granularity(models.TextChoices):
+        MINUTE = "minute", "minute"
+        HOUR = "hour", "hour"
+        DAY = "day", "day"
+
+    class Dimension(models.TextChoices):
+        ALL = "all", "all requests"  # key ""
+        TENANT = "tenant", "tenant"  # key: the tenant id
+        MODEL = "model", "model id"  # key: the model id as the client asked
+        VERSION = "version", "adapter version"  # key: the version id; "" for the base model
+        WORKER = "worker", "inference worker"  # key: the worker url; "" when never routed
+
+    granularity = models.CharField(max_length=8, choices=Granularity.choices)
+    bucket = models.DateTimeField(help_text="Start of the bucket (UTC, aligned like date_bin on the Unix epoch).")
+    dimension = models.CharField(max_length=8, choices=Dimension.choices)
+    key = models.CharField(max_length=WORKER_URL_MAX_LENGTH, blank=True)
+    requests = models.PositiveIntegerField(default=0)
+    completed = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0)
+    cold_requests = models.PositiveIntegerField(default=0)  # adapter_tier host or disk
+    retried = models.PositiveIntegerField(default=0)  # upstream_attempts > 1
+    disconnects = models.PositiveIntegerField(default=0)  # client_disconnected
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    # Completed requests with a TTFT, and those of them within their tenant's TTFT target as it
+    # was when the bucket was rolled up: the SLO share is slo_met / ttft_requests (adds up).
+    ttft_requests = models.PositiveIntegerField(default=0)
+    slo_met = models.PositiveIntegerField(default=0)
+    ttft_p50_ms = models.FloatField(null=True, blank=True)
+    ttft_p95_ms = models.FloatField(null=True, blank=True)
+    ttft_p99_ms = models.FloatField(null=True, blank=True)
+    # TTFT split by where the adapter was: warm = device slot or base model, cold = host or disk.
+    ttft_warm_p50_ms = models.FloatField(null=True, blank=True)
+    ttft_warm_p95_ms = models.FloatField(null=True, blank=True)
+    ttft_warm_p99_ms = models.FloatField(null=True, blank=True)
+    ttft_cold_p50_ms = models.FloatField(null=True, blank=True)
+    ttft_cold_p95_ms = models.FloatField(null=True, blank=True)
+    ttft_cold_p99_ms = models.FloatField(null=True, blank=True)
+    itl_p50_ms = models.FloatField(null=True, blank=True)
+    itl_p95_ms = models.FloatField(null=True, blank=True)
+    itl_p99_ms = models.FloatField(null=True, blank=True)
+    latency_p50_ms = models.FloatField(null=True, blank=True)
+    latency_p95_ms = models.FloatField(null=True, blank=True)
+    latency_p99_ms = models.FloatField(null=True, blank=True)
+    queue_p50_ms = models.FloatField(null=True, blank=True)
+    queue_p95_ms = models.FloatField(null=True, blank=True)
+    queue_p99_ms = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["granularity", "dimension", "key", "bucket"]
+        constraints = [
+            # Also the index every dashboard read uses: (granularity, dimension, key, bucket range).
+            models.UniqueConstraint(fields=["granularity", "dimension", "key", "bucket"],
+                                    name="usage_rollup_unique_bucket"),
+        ]
+        indexes = [models.Index(fields=["granularity", "bucket"], name="usage_rollup_bucket")]
+
+    def __str__(self) -> str:
+        return f"{self.granularity} {self.bucket.isoformat()} {self.dimension}={self.key}"
+
+
+class RollupWatermark(models.Model):
+    """How far the roll-ups of one granularity have read the ledger.
+
+    recorded_until: the newest UsageRecord.recorded_at the last run saw; the next run recomputes
+    the buckets of rows recorded after it (less a grace for rows still committing).
+    covered_until: when the last run ran; the bucket holding that moment and later ones are read
+    from the ledger at query time.
+    """
+
+    granularity = models.CharField(max_length=8, choices=UsageRollup.Granularity.choices, unique=True)
+    recorded_until = models.DateTimeField(null=True, blank=True)
+    covered_until = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.granularity} rolled up to {self.covered_until}"
+
+
+class UsageErrorRollup(models.Model):
+    """Error rows of one bucket by tenant, status and error code (counts add up across buckets):
+    the errors dashboard over long ranges without reading tens of thousands of ledger rows.
+    Rebuilt with UsageRollup, bucket for bucket, in the same transaction."""
+
+    granularity = models.CharField(max_length=8, choices=UsageRollup.Granularity.choices)
+    bucket = models.DateTimeField()
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    status_code = models.PositiveSmallIntegerField()
+    error_code = models.CharField(max_length=ERROR_CODE_MAX_LENGTH, blank=True)
+    count = models.PositiveIntegerField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["granularity", "bucket", "tenant", "status_code", "error_code"],
+                                    name="usage_error_rollup_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.granularity} {self.bucket.isoformat()} {self.tenant_id} {self.status_code} {self.error_code}"

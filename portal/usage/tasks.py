@@ -6,6 +6,7 @@ from datetime import date
 
 from celery import shared_task
 
+from portal.usage.rollups import usage_rollup_prune, usage_rollup_refresh
 from portal.usage.services import usage_rollup_day, usage_rollup_recent
 from portal.usage.spool import usage_spool_replay
 
@@ -23,3 +24,16 @@ def usage_rollup_task(day: str | None = None) -> list[str]:
 def usage_spool_replay_task() -> dict[str, int]:
     """Write back ledger rows spooled while the database was unreachable (beat, every 30 s)."""
     return usage_spool_replay()
+
+
+@shared_task(name="portal.usage.tasks.usage_rollup_refresh_task")
+def usage_rollup_refresh_task() -> dict[str, int]:
+    """Recompute the minute/hour/day roll-up buckets that got ledger rows (beat, every minute);
+    {granularity: buckets recomputed}."""
+    return {result.granularity: result.buckets for result in usage_rollup_refresh()}
+
+
+@shared_task(name="portal.usage.tasks.usage_rollup_prune_task")
+def usage_rollup_prune_task() -> dict[str, int]:
+    """Delete roll-up rows past their retention (beat, hourly); {granularity: rows deleted}."""
+    return usage_rollup_prune()
