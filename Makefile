@@ -10,6 +10,9 @@ PIP := $(PY) -m pip
 # The test command talks to real services; these defaults match a local install.
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/loraplex
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+# The suite runs in this many processes (pytest-xdist, a module's tests in one process; 0 = in
+# pytest's own); tests/xdist_isolation.py gives each its own test database and Redis database.
+TEST_PROCESSES ?= 2
 
 .PHONY: run test lint model install install-dev clean
 
@@ -43,7 +46,8 @@ test: $(VENV)/.installed-dev
 	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
 		$(VENV)/bin/lint-imports --no-cache
 	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
-		$(VENV)/bin/pytest $(PYTEST_ARGS)
+		PYTHONPATH="$(CURDIR)" $(VENV)/bin/pytest -p tests.xdist_isolation -n $(TEST_PROCESSES) --dist loadfile \
+		$(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .

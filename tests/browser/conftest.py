@@ -49,8 +49,10 @@ def pytest_collection_modifyitems(config, items):
 def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
     from django.conf import settings
 
+    from tests.xdist_isolation import database_suffix
+
     database = settings.DATABASES["default"]
-    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_browser"
+    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_browser{database_suffix()}"
 
 
 @pytest.fixture(scope="session")

@@ -41,8 +41,10 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
     # Our own test database: other suites may be running at the same time on this machine.
     from django.conf import settings
 
+    from tests.xdist_isolation import database_suffix
+
     database = settings.DATABASES["default"]
-    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_gateway"
+    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_gateway{database_suffix()}"
 
 
 def model_path():

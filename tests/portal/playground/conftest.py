@@ -19,8 +19,10 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
     # Our own test database: other suites may be running at the same time on this machine.
     from django.conf import settings
 
+    from tests.xdist_isolation import database_suffix
+
     database = settings.DATABASES["default"]
-    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_playground"
+    database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_playground{database_suffix()}"
 
 
 @pytest.fixture(scope="session")
