@@ -33,6 +33,7 @@ INSTALLED_APPS = [
     "portal.tenants",
     "portal.keys",
     "portal.adapters",
+    "portal.evals",
     "portal.quotas",
     "portal.fleet",
     "portal.usage",
@@ -173,6 +174,7 @@ _TASKS = {  # name: (queue, soft limit, hard limit)
     "portal.adapters.prewarm.prewarm_task": ("adapters", 120, 180),
     "portal.adapters.reconcile.fleet_reconcile_task": ("adapters", 120, 180),  # after each poll
     "portal.usage.tasks.usage_rollup_task": ("celery", 600, 720),
+    "portal.evals.tasks.evaluation_run_task": ("adapters", 1800, 1860),  # 2 x up to 200 cases
     "portal.usage.tasks.usage_spool_replay_task": ("celery", 240, 300),  # its Redis lock lasts 600 s
 }
 CELERY_TASK_ROUTES = {name: {"queue": queue} for name, (queue, _, _) in _TASKS.items()}
@@ -219,6 +221,7 @@ SPECTACULAR_SETTINGS = {
         "ApiKeyStatusEnum": ["active", "expired", "revoked"],
     },
 }
+        "EvaluationRunStatusEnum": "portal.evals.models.EvaluationRun.Status",
 
 LOGIN_URL = "console:login"
 LOGIN_REDIRECT_URL = "console:tenants"

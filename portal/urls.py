@@ -11,6 +11,8 @@ urlpatterns = [
     path("v1/", include("portal.gateway.urls")),  # the OpenAI-compatible API
     path("usage/", include("portal.usage.urls")),
     path("api/v1/", include("portal.adapters.api.urls")),  # the tenant REST API (DRF)
+    path("api/v1/", include("portal.evals.api.urls")),  # evaluation sets and runs (same API)
+    path("", include("portal.evals.urls")),  # /t/<slug>/adapters/<name>/evaluation/, versions/<n>/
     path("internal/", include("portal.adapters.internal_urls")),  # for the inference workers only
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),  # OpenAPI 3
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

@@ -6,7 +6,10 @@ whether the adapter is kept warm (pinned) on the workers.
     deployment_set_always_warm(adapter=, enabled=, actor=)   plan-gated
         (plan_for(tenant.plan).always_warm_adapters; over the limit -> LimitExceeded, a 403);
         after commit the deployed versions are staged and pinned on every worker, or unpinned.
-    deployment_update(adapter=, actor=, weights=, always_warm=)   either or both, one transaction
+    deployment_set_evaluation_gate(adapter=, require=, min_pass_rate=, actor=)   a version new to
+        traffic must have passed its evaluation (portal.evals); a weight of 0 is never refused
+    deployment_update(adapter=, actor=, weights=, always_warm=, require_evaluation=,
+        evaluation_min_pass_rate=)   any of them, one transaction
     deployment_get(adapter=)   the adapter's Deployment (made on first use)
 
 Which version a request gets (the weights, read) is portal.adapters.traffic.
@@ -23,6 +26,7 @@ from portal.adapters import limits, staging
 from portal.adapters.models import Adapter, AdapterVersion, AuditEvent, Deployment
 from portal.adapters.traffic import deployed_versions
 from portal.core.exceptions import InvalidInput
+from portal.evals.selectors import evaluation_gate_refusal
 from portal.tenants.models import Tenant
 from portal.tenants.plans import plan_for
 
@@ -62,12 +66,33 @@ def _clean_weights(adapter: Adapter, weights: dict) -> dict[str, int]:
     return {str(n): w for n, w in sorted(clean.items())}
 
 
+def _check_evaluation_gate(adapter: Adapter, deployment: Deployment, clean: dict[str, int]) -> None:
+    """Under require_evaluation, a version that gets traffic it does not get now must have
+    passed its evaluation (portal.evals.selectors.evaluation_gate_refusal); InvalidInput naming
+    the version and the figures otherwise. A weight of 0 (a rollback) is never refused."""
+    if not deployment.require_evaluation:
+        return
+    serving = {v.number for v in deployed_versions(adapter=adapter)}
+    if clean:
+        gaining = [int(n) for n, w in clean.items() if w > 0 and int(n) not in serving]
+    else:  # {} = the newest ready version
+        newest = adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True) \
+            .order_by("-number").first()
+        gaining = [newest.number] if newest is not None and newest.number not in serving else []
+    for version in adapter.versions.filter(number__in=gaining).select_related("adapter__tenant").order_by("number"):
+        refusal = evaluation_gate_refusal(version=version, deployment=deployment)
+        if refusal is not None:
+            raise InvalidInput("weights", refusal)
+
+
 def deployment_set_weights(*, adapter: Adapter, weights: dict[int, int], actor: AbstractBaseUser | None) -> Deployment:
     """Replace the deployment's weights ({} = newest ready version). Rollback is this call with
-    the old version's weight; it takes effect on the next request."""
+    the old version's weight; it takes effect on the next request. Under the evaluation gate a
+    version new to traffic must have passed its evaluation."""
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().get_or_create(adapter=adapter)[0]
         clean = _clean_weights(adapter, weights)
+        _check_evaluation_gate(adapter, deployment, clean)
         previous = dict(deployment.weights or {})
         deployment.weights = clean
         deployment.updated_by = _actor(actor)
@@ -119,16 +144,44 @@ def _warm(adapter_id: int, enabled: bool) -> None:
             staging.worker_pin(worker_url=url, lora_name=version.worker_name, pinned=False)
 
 
+def deployment_set_evaluation_gate(*, adapter: Adapter, require: bool, min_pass_rate: float | None,
+                                   actor: AbstractBaseUser | None) -> Deployment:
+    """Require (or stop requiring) a passing evaluation before a version gets traffic;
+    min_pass_rate 0..1, or None for "at least the serving version's pass rate". Audited."""
+    if min_pass_rate is not None and (isinstance(min_pass_rate, bool) or not 0.0 <= float(min_pass_rate) <= 1.0):
+        raise InvalidInput("evaluation_min_pass_rate", f"a pass rate is between 0 and 1, got {min_pass_rate!r}")
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get_or_create(adapter=adapter)[0]
+        rate = None if min_pass_rate is None else float(min_pass_rate)
+        if deployment.require_evaluation == require and deployment.evaluation_min_pass_rate == rate:
+            return deployment
+        deployment.require_evaluation, deployment.evaluation_min_pass_rate = require, rate
+        deployment.updated_by = _actor(actor)
+        deployment.save()
+        _audit(adapter=adapter, actor=actor, action="deployment.evaluation_gate_set",
+               details={"require_evaluation": require, "evaluation_min_pass_rate": rate})
+    return deployment
+
+
 def deployment_get(*, adapter: Adapter) -> Deployment:
     """The adapter's deployment (every adapter has one; made here for rows that predate that)."""
     return Deployment.objects.get_or_create(adapter=adapter)[0]
 
 
 def deployment_update(*, adapter: Adapter, actor: AbstractBaseUser | None, weights: dict[int, int] | None = None,
-                      always_warm: bool | None = None) -> Deployment:
-    """Set the weights and/or always-warm (what the REST API's PUT takes) in one transaction:
-    both change or neither does."""
+                      always_warm: bool | None = None, require_evaluation: bool | None = None,
+                      evaluation_min_pass_rate: float | None | object = ...) -> Deployment:
+    """Set the weights, always-warm and/or the evaluation gate (what the REST API's PUT takes) in
+    one transaction: all change or none does. The gate is set first, so weights sent with it are
+    judged by it. evaluation_min_pass_rate: ... (not given) keeps it, None clears it."""
     with transaction.atomic():
+        if require_evaluation is not None or evaluation_min_pass_rate is not ...:
+            current = deployment_get(adapter=adapter)
+            deployment_set_evaluation_gate(
+                adapter=adapter, actor=actor,
+                require=current.require_evaluation if require_evaluation is None else require_evaluation,
+                min_pass_rate=current.evaluation_min_pass_rate if evaluation_min_pass_rate is ... else evaluation_min_pass_rate,
+            )
         if weights is not None:
             deployment_set_weights(adapter=adapter, weights=weights, actor=actor)
         if always_warm is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import uuid
 
 from django.conf import settings
-from django.core.validators import RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
 from portal.tenants.models import Tenant
@@ -114,6 +114,14 @@ class Deployment(models.Model):
     adapter = models.OneToOneField(Adapter, on_delete=models.CASCADE, related_name="deployment")
     weights = models.JSONField(default=dict, blank=True)
     always_warm = models.BooleanField(default=False)
+    # The evaluation gate (portal.evals): a version may get a positive weight only when its
+    # latest completed evaluation run passed: a pass rate >= evaluation_min_pass_rate, or, when
+    # that is null, >= the serving version's in the same run.
+    require_evaluation = models.BooleanField(default=False)
+    evaluation_min_pass_rate = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)],
+        help_text="0..1; empty: at least the serving version's pass rate.",
+    )
     updated_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )

@@ -39,6 +39,7 @@ from portal.adapters.models import Adapter, AdapterVersion, AuditEvent, Deployme
 from portal.adapters.validation import EXPECTED, content_sha256, validate_adapter_dir
 from portal.core.exceptions import InvalidInput, full_clean_or_raise
 from portal.core.jobs import enqueue
+from portal.evals.services import evaluation_on_version_ready
 from portal.tenants.models import Tenant
 from protocol.adapter_format import ADAPTER_FILES, BaseShapes
 from protocol.adapter_format.files import SNIFF_BYTES, file_role
@@ -360,6 +361,8 @@ def _finish_validation(version: AdapterVersion, reasons: list[str], result) -> A
             current.sha256 = content_sha256(result.file_sha256)
             current.size_bytes = result.size_bytes
             current.save()
+            _hold_for_evaluation(current)
+            evaluation_on_version_ready(version=current)  # a queued run when the adapter has a set
             _delete_dir(f"{current.storage_dir}/upload")
             audit_event_create(
                 tenant=current.adapter.tenant,
@@ -383,6 +386,27 @@ def _finish_validation(version: AdapterVersion, reasons: list[str], result) -> A
             storage_dir = current.storage_dir
             transaction.on_commit(lambda: _delete_dir(storage_dir))
     return current
+
+
+def _hold_for_evaluation(version: AdapterVersion) -> None:
+    """With the evaluation gate on and no weights, the newest ready version serves: this one,
+    before any evaluation. Pin the weights to the version that served until now instead (the
+    gate then decides when this one gets traffic). Audited; nothing to do without an older
+    ready version (the first version serves: there is nothing to compare it with)."""
+    deployment = Deployment.objects.select_for_update().filter(adapter_id=version.adapter_id).first()
+    if deployment is None or not deployment.require_evaluation or deployment.weights:
+        return
+    previous = (version.adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True)
+                .exclude(pk=version.pk).order_by("-number").first())
+    if previous is None:
+        return
+    deployment.weights = {str(previous.number): 100}
+    deployment.save(update_fields=["weights", "updated_at"])
+    audit_event_create(
+        tenant=version.adapter.tenant, actor=None, action="deployment.weights_set", target=version.adapter.public_id,
+        details={"weights": deployment.weights, "previous": {},
+                 "reason": f"v{version.number} is ready but must pass its evaluation before it gets traffic"},
+    )
 
 
 def _stage(version: AdapterVersion) -> None:

@@ -20,7 +20,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Deployment
-        fields = ["weights", "always_warm", "updated_by", "updated_at"]
+        fields = ["weights", "always_warm", "require_evaluation", "evaluation_min_pass_rate", "updated_by", "updated_at"]
         read_only_fields = fields
 
 
@@ -31,6 +31,11 @@ class DeploymentUpdateSerializer(serializers.Serializer):
         help_text='{"<version number>": weight} ("v3" works too); {} routes to the newest ready version.',
     )
     always_warm = serializers.BooleanField(required=False)
+    require_evaluation = serializers.BooleanField(
+        required=False, help_text="A version gets traffic only once its latest completed evaluation run passed.")
+    evaluation_min_pass_rate = serializers.FloatField(
+        required=False, allow_null=True, min_value=0.0, max_value=1.0,
+        help_text="The pass rate (0..1) an evaluation must reach; null: at least the serving version's.")
 
     def validate_weights(self, value: dict) -> dict[int, int]:
         weights = {}
@@ -46,7 +51,7 @@ class DeploymentUpdateSerializer(serializers.Serializer):
 
     def validate(self, attrs):
         if not attrs:
-            raise serializers.ValidationError("send weights and/or always_warm")
+            raise serializers.ValidationError("send weights, always_warm, require_evaluation and/or evaluation_min_pass_rate")
         return attrs
 
 

@@ -2,7 +2,7 @@
 
     /api/v1/tenants/{tenant_slug}/adapters/                               GET list, POST create
     /api/v1/tenants/{tenant_slug}/adapters/{name}/                        GET, PATCH/PUT (description, base_model), DELETE
-    /api/v1/tenants/{tenant_slug}/adapters/{name}/deployment/             GET, PUT (weights, always_warm)
+    /api/v1/tenants/{tenant_slug}/adapters/{name}/deployment/             GET, PUT (weights, always_warm, evaluation gate)
     /api/v1/tenants/{tenant_slug}/adapters/{name}/versions/               GET list, POST upload (multipart)
     /api/v1/tenants/{tenant_slug}/adapters/{name}/versions/{number}/      GET, DELETE (= retire)
     /api/v1/tenants/{tenant_slug}/adapters/{name}/versions/{number}/status/   GET
@@ -128,7 +128,7 @@ class AdapterViewSet(TenantScopedViewSet, mixins.ListModelMixin):
     @extend_schema(methods=["GET"], parameters=[TENANT, NAME], responses=s.DeploymentSerializer,
                    summary="The adapter's deployment (traffic weights over versions)")
     @extend_schema(methods=["PUT"], parameters=[TENANT, NAME], request=s.DeploymentUpdateSerializer,
-                   responses=s.DeploymentSerializer, summary="Set traffic weights and/or always-warm (rollback = set weights)")
+                   responses=s.DeploymentSerializer, summary="Set traffic weights, always-warm and/or the evaluation gate (rollback = set weights)")
     @action(detail=True, methods=["get", "put"], serializer_class=s.DeploymentSerializer)
     def deployment(self, request, *args, **kwargs):
         adapter = self.get_object()
