@@ -41,6 +41,7 @@ INSTALLED_APPS = [
     "portal.console",
     "portal.playground",
     "portal.dashboards",
+    "portal.rollouts",
 ]
 
 MIDDLEWARE = [
@@ -173,9 +174,10 @@ _TASKS = {  # name: (queue, soft limit, hard limit)
     "portal.adapters.staging.worker_unload_task": ("adapters", 60, 90),
     "portal.adapters.prewarm.prewarm_task": ("adapters", 120, 180),
     "portal.adapters.reconcile.fleet_reconcile_task": ("adapters", 120, 180),  # after each poll
-    "portal.usage.tasks.usage_rollup_task": ("celery", 600, 720),
     "portal.evals.tasks.evaluation_run_task": ("adapters", 1800, 1860),  # 2 x up to 200 cases
+    "portal.usage.tasks.usage_rollup_task": ("celery", 600, 720),
     "portal.usage.tasks.usage_spool_replay_task": ("celery", 240, 300),  # its Redis lock lasts 600 s
+    "portal.rollouts.tasks.canary_guard_check_task": ("celery", 50, 55),  # every minute
 }
 CELERY_TASK_ROUTES = {name: {"queue": queue} for name, (queue, _, _) in _TASKS.items()}
 CELERY_TASK_ANNOTATIONS = {name: {"soft_time_limit": soft, "time_limit": hard}
@@ -219,9 +221,9 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {
         "AdapterVersionStatusEnum": "portal.adapters.models.AdapterVersion.Status",
         "ApiKeyStatusEnum": ["active", "expired", "revoked"],
+        "EvaluationRunStatusEnum": "portal.evals.models.EvaluationRun.Status",
     },
 }
-        "EvaluationRunStatusEnum": "portal.evals.models.EvaluationRun.Status",
 
 LOGIN_URL = "console:login"
 LOGIN_REDIRECT_URL = "console:tenants"

@@ -83,3 +83,19 @@ class WeightsForm(forms.Form):
             if weight:
                 result[number] = weight
         return result
+
+
+class CanaryGuardForm(forms.Form):
+    """The canary guard's settings (their limits are checked by portal.rollouts.services)."""
+
+    enabled = forms.BooleanField(required=False, label="Roll back a failing canary automatically")
+    min_requests = forms.IntegerField(label="Minimum canary requests", help_text="Before the guard judges it.")
+    error_rate_margin = forms.FloatField(label="Error rate margin",
+                                         help_text="Absolute, over the serving version's: 0.05 = 5 points.")
+    ttft_p95_factor = forms.FloatField(label="TTFT p95 factor", help_text="Times the serving version's p95.")
+
+    def __init__(self, *args, guard=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if guard is not None and not self.is_bound:
+            self.initial = {"enabled": guard.enabled, "min_requests": guard.min_requests,
+                            "error_rate_margin": guard.error_rate_margin, "ttft_p95_factor": guard.ttft_p95_factor}

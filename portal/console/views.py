@@ -25,19 +25,26 @@ from portal.console.access import LOGIN_URL, can_write, require_write, tenant_me
 from portal.console.forms import (
     AdapterCreateForm,
     ApiKeyCreateForm,
+    CanaryGuardForm,
     UploadForm,
     WeightsForm,
     add_service_error,
 )
 from portal.core.exceptions import InvalidInput
+from portal.core.ranges import parse_range
 from portal.fleet.selectors import base_model_name
 from portal.keys.selectors import api_key_list
 from portal.keys.services import api_key_create, api_key_revoke
+from portal.rollouts import selectors as rollout_selectors
+from portal.rollouts import services as rollout_services
 from portal.tenants.plans import plan_for
 from portal.usage.billing import money, statement_for
 from portal.usage.selectors import latency_percentiles
 
 PAGE_SIZE = 20
+COMPARISON_WINDOWS = ("1h", "24h", "7d")  # the adapter page's per-version comparison
+COMPARISON_CHARTS = (("requests", "Requests"), ("error_rate", "Error rate"), ("ttft_p95_ms", "TTFT p95 (ms)"),
+                     ("itl_p95_ms", "Inter-token p95 (ms)"), ("tokens_per_request", "Tokens per request"))
 USAGE_RANGES = (7, 30, 90)
 
 
@@ -172,12 +179,20 @@ def _adapter_or_404(request: HttpRequest, name: str):
     return adapter
 
 
-def _adapter_page(request: HttpRequest, adapter, *, upload_form=None, weights_form=None, status=200) -> HttpResponse:
+def _adapter_page(request: HttpRequest, adapter, *, upload_form=None, weights_form=None, guard_form=None,
+                  status=200) -> HttpResponse:
     deployment = deployments.deployment_get(adapter=adapter)
     versions = adapter_selectors.adapter_version_list(adapter=adapter)
     ready = [v for v in versions if v.status == AdapterVersion.Status.READY]
     served = {v.number for v in traffic.deployed_versions(adapter=adapter)}
+    window = request.GET.get("window") if request.GET.get("window") in COMPARISON_WINDOWS else "24h"
+    guard = rollout_selectors.canary_guard_get(deployment=deployment)
     return _render(request, "console/adapter_detail.html", {
+        "comparison": rollout_selectors.version_comparison(
+            adapter=adapter, time_range=parse_range({"range": window}, now=timezone.now())),
+        "comparison_windows": COMPARISON_WINDOWS, "comparison_charts": COMPARISON_CHARTS, "window": window,
+        "rollback_banner": rollout_selectors.rollback_banner(adapter=adapter),
+        "guard": guard, "guard_form": guard_form or CanaryGuardForm(guard=guard),
         "adapter": adapter,
         "deployment": deployment,
         "page": _page(request, versions),
@@ -251,6 +266,34 @@ def adapter_always_warm(request: HttpRequest, name: str) -> HttpResponse:
         messages.error(request, error.message)
     else:
         messages.success(request, f"{adapter.public_id} is {'now' if enabled else 'no longer'} kept warm.")
+    return redirect("console:adapter", slug=request.tenant.slug, name=adapter.name)
+
+
+@require_POST
+@tenant_member
+def adapter_canary_guard(request: HttpRequest, name: str) -> HttpResponse:
+    """The canary guard's thresholds (the automatic rollback of a failing canary)."""
+    adapter = _adapter_or_404(request, name)
+    require_write(request)
+    deployment = deployments.deployment_get(adapter=adapter)
+    form = CanaryGuardForm(request.POST, guard=rollout_selectors.canary_guard_get(deployment=deployment))
+    if form.is_valid():
+        try:
+            rollout_services.canary_guard_update(deployment=deployment, actor=request.user, **form.cleaned_data)
+        except InvalidInput as error:
+            add_service_error(form, error)
+        else:
+            messages.success(request, f"Canary guard of {adapter.public_id} saved.")
+            return redirect("console:adapter", slug=request.tenant.slug, name=adapter.name)
+    return _adapter_page(request, adapter, guard_form=form, status=400)
+
+
+@require_POST
+@tenant_member
+def adapter_canary_dismiss(request: HttpRequest, name: str) -> HttpResponse:
+    adapter = _adapter_or_404(request, name)
+    require_write(request)
+    rollout_services.canary_guard_dismiss(deployment=deployments.deployment_get(adapter=adapter), actor=request.user)
     return redirect("console:adapter", slug=request.tenant.slug, name=adapter.name)
 
 

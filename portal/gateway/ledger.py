@@ -72,6 +72,7 @@ class Ledger:
     loaded_adapter: bool = False
     upstream_attempts: int = 0  # workers the request was sent to (relay.open_upstream)
     constrained: str = ""  # validation.constraint_of the body: json_object, json_schema, tools or ""
+    completion_id: str = ""  # the answer's (or first chunk's) "id": what feedback names
     finish_reason: str = ""
     error: str = ""
     error_code: str = ""  # the OpenAI error code (else type) the client got, or that ended its stream
@@ -94,6 +95,11 @@ class Ledger:
             self.adapter_tier = report.adapter_tier
             self.queue_ms = report.queue_ms
             self.worker_inter_token_ms = report.inter_token_ms
+
+    def read_completion_id(self, value) -> None:
+        """The completion id from the answer or a chunk; the first one the client saw is kept."""
+        if not self.completion_id and isinstance(value, str):
+            self.completion_id = value[:200]
 
     def token_relayed(self) -> None:
         """One content or tool-call chunk went to the client."""
@@ -165,6 +171,7 @@ class Ledger:
             completion_tokens=completion,
             cached_prompt_tokens=min(self.cached_prompt_tokens, prompt),
             constrained=self.constrained,
+            completion_id=self.completion_id,
             adapter_tier=DISK if self.loaded_adapter else self.adapter_tier,
             time_to_first_token_ms=(
                 (self.first_chunk_at - self.started) * 1000 if self.first_chunk_at is not None else None),

@@ -220,6 +220,7 @@ class Completion:
         ledger.first_chunk_at = time.monotonic()
         if isinstance(answer, dict):
             answer["model"] = self.model
+            ledger.read_completion_id(answer.get("id"))
             ledger.read_report(answer.pop(worker_api.REPORT_KEY, None))  # the worker's, not the client's
             ledger.read_usage(answer.get("usage") if isinstance(answer.get("usage"), dict) else {})
             choices = answer.get("choices") or [{}]
@@ -297,6 +298,7 @@ class Completion:
         if ledger.first_chunk_at is None:
             ledger.first_chunk_at = time.monotonic()
         ledger.read_report(chunk.pop(worker_api.REPORT_KEY, None))
+        ledger.read_completion_id(chunk.get("id"))
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             ledger.read_usage(usage)

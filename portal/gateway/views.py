@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from portal.core.exceptions import InvalidInput
 from portal.gateway import services
 from portal.gateway.errors import GatewayError, unexpected
 from portal.gateway.validation import max_body_bytes, parse_json_object
+from portal.rollouts.services import CompletionNotFound, feedback_record
 
 SCOPE_API_KEY = "loraplex.api_key"
 SCOPE_REQUEST_ID = "loraplex.request_id"
@@ -131,6 +134,36 @@ async def models(request: HttpRequest) -> HttpResponse:
     except Exception as exc:  # noqa: BLE001 -- the database unreachable...: OpenAI-shaped, never HTML
         return error_response(request, unexpected(exc, request_id=request_id), request_id)
     return _with_ids(JsonResponse({"object": "list", "data": data}), request, request_id)
+
+
+@csrf_exempt
+async def feedback(request: HttpRequest) -> HttpResponse:
+    """POST {"id": completion id, "rating": "up"|"down", "comment"?}: the tenant's rating of one of
+    its completions (one per completion from the API; a second call replaces it)."""
+    request_id = _request_id(request)
+    if request.method != "POST":
+        return _method_not_allowed(request, "POST", request_id)
+    try:
+        caller = services.Caller.of_key(await _api_key(request))
+        body = _body(request)
+        comment = body.get("comment", "")
+        if comment is not None and not isinstance(comment, str):
+            raise GatewayError(400, "comment: must be a string", param="comment", code="invalid_value")
+        try:
+            record = await sync_to_async(feedback_record)(
+                tenant=caller.tenant, completion_id=body.get("id"), rating=body.get("rating"),
+                comment=comment or "", source="api")
+        except InvalidInput as error:
+            raise GatewayError(400, str(error), param=error.field, code="invalid_value") from None
+        except CompletionNotFound as error:
+            raise GatewayError(404, error.message, param="id", code="completion_not_found") from None
+    except GatewayError as exc:
+        return error_response(request, exc, request_id)
+    except Exception as exc:  # noqa: BLE001 -- the database unreachable...: OpenAI-shaped, never HTML
+        return error_response(request, unexpected(exc, request_id=request_id), request_id)
+    return _with_ids(JsonResponse({"object": "feedback", "id": record.completion_id, "rating": record.rating,
+                                   "comment": record.comment, "created_at": int(record.created_at.timestamp()),
+                                   "updated_at": int(record.updated_at.timestamp())}), request, request_id)
 
 
 @csrf_exempt

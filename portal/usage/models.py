@@ -48,6 +48,9 @@ class UsageRecord(models.Model):
 
     # The gateway's x-request-id; unique, which is what makes the write exactly-once.
     request_id = models.CharField(max_length=REQUEST_ID_MAX_LENGTH, unique=True)
+    # The completion's "id" as the client saw it (chatcmpl-..., cmpl-...; "" when no answer
+    # began): how feedback on a completion finds the version that served it.
+    completion_id = models.CharField(max_length=REQUEST_ID_MAX_LENGTH, blank=True, db_index=True)
     # PROTECT: the ledger is what the tenant is billed from; it outlives nothing by accident.
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="usage_records")
     api_key = models.ForeignKey(

@@ -287,6 +287,7 @@ def _latency_bucket(start: datetime, row: dict | None) -> dict:
     return {
         "start": start.isoformat(), "requests": row.get("requests", 0), "completed": row.get("completed", 0),
         "errors": row.get("errors", 0), "cold_requests": row.get("cold_requests", 0),
+        "prompt_tokens": row.get("prompt_tokens", 0), "completion_tokens": row.get("completion_tokens", 0),
         **{name: {p: row.get(f"{metric}_{p}_ms") for p in P_NAMES} for metric, name in _JSON_METRICS.items()},
     }
 
