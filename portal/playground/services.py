@@ -1,20 +1,29 @@
 """The playground's entry into the gateway pipeline for a tenant authenticated by its session:
 the same validation, model resolution, quotas, routing, lazy adapter load and usage ledger as
-/v1 (portal.gateway.services), for a Caller with no API key; and the request fields the page's
-optional structured-output boxes ask for (playground_constraints)."""
+/v1 (portal.gateway.services), for a Caller with no API key; the check of a side-by-side chat's
+models before any of its columns starts (playground_columns_check); the thumbs up/down on an
+answer (playground_feedback); and the request fields the page's optional structured-output boxes
+ask for (playground_constraints)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from portal.gateway.errors import GatewayError
+from django.contrib.auth.models import AbstractBaseUser
+
+from portal.gateway import validation
+from portal.gateway.errors import GatewayError, model_not_found, tenant_suspended
 from portal.gateway.services import CHAT, Caller, Completion, completion_stream, models_list
+from portal.rollouts.models import Feedback
+from portal.rollouts.services import feedback_record
 from portal.tenants.models import Tenant
 
 # The name the playground gives the schema in response_format (OpenAI requires one).
 SCHEMA_NAME = "playground_schema"
 TOOL_CHOICES = ("required", "none")
+# Columns of a side-by-side chat: one prompt, this many models at most (base, v1, v2...).
+MAX_COLUMNS = 3
 
 
 async def playground_models(*, tenant: Tenant) -> list[dict]:
@@ -27,6 +36,53 @@ async def playground_completion_stream(*, tenant: Tenant, body: dict, request_id
     GatewayError before the first byte; the ledger row is written once, as for /v1."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     return await completion_stream(caller=Caller(tenant), endpoint=CHAT, body=body, request_id=request_id)
+
+
+def playground_columns(*, model: Any = None, models: Any = None) -> list[Any]:
+    """The models a chat message asks for, one per column: `models` (a list of 1..MAX_COLUMNS
+    distinct ids) or the single `model` (whatever it is: the pipeline's validation says what is
+    wrong with it). A list that is not one of those is a 400 naming `models`; nothing starts."""
+    if models is None:
+        return [model]
+    if not isinstance(models, list) or not models:
+        raise GatewayError(400, f"models: must be a list of 1 to {MAX_COLUMNS} model ids", param="models",
+                           code="invalid_models")
+    if len(models) > MAX_COLUMNS:
+        raise GatewayError(400, f"models: at most {MAX_COLUMNS} models side by side, got {len(models)}",
+                           param="models", code="invalid_models")
+    for item in models:
+        if not isinstance(item, str) or not item.strip():
+            raise GatewayError(400, "models: each entry must be a non-empty model id", param="models",
+                               code="invalid_models")
+    repeated = sorted({item for item in models if models.count(item) > 1})
+    if repeated:
+        raise GatewayError(400, f"models: `{repeated[0]}` is listed twice; compare different models",
+                           param="models", code="invalid_models")
+    return list(models)
+
+
+async def playground_columns_check(*, tenant: Tenant, body: dict, models: list[str]) -> None:
+    """Refuse a side-by-side chat that some column would refuse before its first byte for a
+    reason shared by all or known up front (a suspended tenant, a malformed body, a model the
+    tenant cannot use), so that no column starts and none is billed: one error, with the model
+    it names. What only a column's own request can tell (its quota, its worker) stays per column."""
+    if not tenant.is_active:
+        raise tenant_suspended(tenant.slug)
+    validation.validate(CHAT, dict(body, model=models[0]))
+    known = {entry["id"] for entry in await models_list(caller=Caller(tenant))}
+    for model in models:
+        if model not in known:
+            error = model_not_found(model)
+            raise GatewayError(error.status, error.message, type=error.type, param="models", code=error.code)
+
+
+def playground_feedback(*, tenant: Tenant, user: AbstractBaseUser, completion_id: Any, rating: Any,
+                        comment: Any = "") -> Feedback:
+    """The member's thumbs up/down on one of the tenant's answers (its completion id), recorded as
+    playground feedback (a second rating replaces the first). InvalidInput / CompletionNotFound
+    from portal.rollouts.services for a bad rating or an id that is not the tenant's."""
+    return feedback_record(tenant=tenant, completion_id=completion_id, rating=rating, comment=comment,
+                           source=Feedback.Source.PLAYGROUND, user=user)
 
 
 def _box_error(param: str, message: str) -> GatewayError:

@@ -4,7 +4,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from portal.playground.services import playground_models
+from portal.playground.services import MAX_COLUMNS, playground_models
 from portal.tenants.models import Membership
 from portal.tenants.selectors import membership_get, tenant_get_by_slug
 
@@ -24,4 +24,6 @@ def playground(request: HttpRequest, slug: str) -> HttpResponse:
         "models": models,
         "can_chat": membership.role != Membership.Role.VIEWER and tenant.is_active,
         "ws_path": f"/ws/t/{tenant.slug}/playground/",
+        # the "compare with" selects: the models after the first, side by side
+        "compare_slots": range(2, MAX_COLUMNS + 1),
     })

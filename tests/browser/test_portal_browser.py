@@ -335,3 +335,152 @@ def test_playground_structured_boxes(live, page):
     rows = off_loop(lambda: list(UsageRecord.objects.filter(tenant__slug="acme").values_list(
         "constrained", "finish_reason")))
     assert rows == [("tools", "tool_calls")]
+
+
+def _column(page, index: int, inner: str = ""):
+    return page.locator(f"#pg-columns .pg-column[data-column='{index}'] {inner}".strip())
+
+
+EVALUATION_SET = (b'{"name": "any answer", "prompt": "Say hi", "check": "regex", "expected": "\\\\S", "max_tokens": 4}\n'
+                  b'{"name": "never", "prompt": "Say hi", "check": "exact", "expected": "zzz never this", "max_tokens": 4}\n')
+
+
+def test_rollout_journey_v2_canary_side_by_side_rollback(live, worker, page, tmp_path, monkeypatch):
+    """Issue 18's journey: upload v2 next to a serving v1 and an evaluation set, see v2's
+    evaluation beside v1's, give v2 a canary weight, compare v1, v2 and the base side by side in
+    the playground (Stop on one column, a thumbs up on an answer), then v2 breaks (its stored
+    weights damaged, so the worker refuses it): its requests fail, the canary guard (what beat
+    runs) moves its weight to 0 and the adapter page shows the banner."""
+    import shutil
+    from pathlib import Path
+
+    from portal.adapters.models import Adapter
+    from tests.inference.server.server_process import ROOT
+    from tests.portal.gateway.conftest import ADMIN_TOKEN
+
+    make_user("rita", {"acme": "owner"})
+    log_in(page, live, "rita")
+    page.goto(f"{live.url}/t/acme/adapters/")
+    page.fill("#id_name", "support-bot")
+    page.click("text=Create adapter")
+    page.wait_for_url(f"{live.url}/t/acme/adapters/support-bot/")
+    # The evaluation run a version's readiness starts is run here, as the Celery worker would,
+    # not eagerly inside the upload request: the worker fetches the version from this portal.
+    runs: list[int] = []
+    monkeypatch.setattr("portal.evals.services.enqueue_on_commit", lambda task, run_id: runs.append(run_id))
+    for number, seed in ((1, 0), (2, 7)):  # two versions that answer differently
+        files = write_peft(tmp_path / f"v{number}", SMOLLM2_135M, seed=seed)
+        page.set_input_files("#id_files", [str(files / "adapter_config.json"), str(files / "adapter_model.safetensors")])
+        page.click("#upload-form button[type=submit]")
+        _wait_for_status(page, number, "ready")
+        if number == 1:  # v1 serves; the evaluation set applies from v2 on
+            page.goto(f"{live.url}/t/acme/adapters/support-bot/evaluation/")
+            cases = tmp_path / "cases.jsonl"
+            cases.write_bytes(EVALUATION_SET)
+            page.set_input_files("#id_file", str(cases))
+            page.click("text=Upload set")
+            assert "2 cases (2 with a check)" in page.inner_text("#evaluation-set")
+            page.goto(f"{live.url}/t/acme/adapters/support-bot/")
+    shot(page, "30-rollout-1-v2-ready")
+
+    from portal.evals.services import evaluation_run_execute
+
+    assert len(runs) == 1
+    off_loop(evaluation_run_execute, run_id=runs[0])
+    page.goto(f"{live.url}/t/acme/adapters/support-bot/versions/2/")
+    assert "Completed" in page.inner_text("#run-status")
+    rates = page.inner_text("#pass-rates")
+    assert "v2 (this version)" in rates and "v1 (serving)" in rates and rates.count("1/2 (50%)") == 2, rates
+    shot(page, "30-rollout-2-evaluation")
+    page.goto(f"{live.url}/t/acme/adapters/support-bot/")
+
+    # Canary: v1 keeps 90% of acme/support-bot's traffic, v2 gets 10%.
+    page.fill("#id_weight_1", "90")
+    page.fill("#id_weight_2", "10")
+    page.click("text=Save weights")
+    page.wait_for_selector("#comparison-table")
+    assert [page.locator(f"#compare-v{n} td").nth(1).inner_text() for n in (1, 2)] == ["90", "10"]
+    shot(page, "30-rollout-3-canary-weight")
+
+    # Side by side: one prompt to v1, v2 and the base; Stop the base's column only.
+    page.goto(f"{live.url}/t/acme/playground/")
+    _wait_for_playground(page, "s === 'connected'")
+    base = next(m for m in page.locator("#pg-model option").all_inner_texts() if "/" not in m)
+    page.select_option("#pg-model", "acme/support-bot@v1")
+    page.select_option("#pg-model-2", "acme/support-bot@v2")
+    page.select_option("#pg-model-3", base)
+    page.fill("#pg-temperature", "0")
+    page.fill("#pg-max-tokens", "12")
+    page.fill("#pg-input", "Count from 1 to 100, one number per line.")
+    page.click("#pg-send")
+    assert page.locator("#pg-columns .pg-column").count() == 3
+    assert [_column(page, i, ".pg-col-model").inner_text() for i in range(3)] == [
+        "acme/support-bot@v1", "acme/support-bot@v2", base]
+    page.wait_for_function("document.querySelector(\"#pg-columns .pg-column[data-column='2'] .pg-msg.assistant .text\")"
+                           ".textContent.length > 0")
+    _column(page, 2, ".pg-col-stop").click()
+    _wait_for_playground(page, "s === 'done'", timeout_s=120)  # every column ended
+    assert [_column(page, i, ".pg-col-status").inner_text() for i in range(3)] == [
+        "done (max tokens reached)", "done (max tokens reached)", "stopped"]
+    answers = [_column(page, i, ".pg-msg.assistant .text").inner_text() for i in range(3)]
+    assert all(answers) and answers[0] != answers[1], answers
+    for i in (0, 1):
+        stats = _column(page, i, ".pg-col-stats").inner_text()
+        assert "time to first token" in stats and "tokens/s" in stats, stats
+    assert page.locator(".pg-msg.error").count() == 0
+    _column(page, 1, ".pg-thumb.up").click()  # v2's answer is the better one
+    _wait_for_playground(page, "s === 'feedback recorded'")
+    assert _column(page, 1, ".pg-thumb.up").get_attribute("aria-pressed") == "true"
+    shot(page, "30-rollout-4-side-by-side")
+
+    from portal.rollouts.models import Feedback
+    from portal.usage.models import UsageRecord
+
+    rows = off_loop(lambda: sorted(UsageRecord.objects.filter(tenant__slug="acme").values_list(
+        "model", "client_disconnected")))
+    assert rows == [("acme/support-bot@v1", False), ("acme/support-bot@v2", False), (base, True)]
+    assert off_loop(lambda: list(Feedback.objects.values_list("adapter_version__number", "rating", "source"))) == [
+        (2, "up", "playground")]
+
+    # v2 breaks: its stored weights are damaged, and the worker drops its copy (as a restarted
+    # worker with an empty adapter cache would have none): it must fetch them again, and refuses
+    # them. The guard judges after 5 canary requests.
+    page.goto(f"{live.url}/t/acme/adapters/support-bot/")
+    page.fill("#id_min_requests", "5")
+    page.click("text=Save guard")
+    page.wait_for_selector("#canary-guard")
+
+    def break_v2():
+        from django.core.files.storage import storages
+
+        from portal.fleet.client import WorkerClient
+        from portal.keys.services import api_key_create
+
+        v2 = Adapter.objects.get(tenant__slug="acme", name="support-bot").versions.get(number=2)
+        with storages["default"].open(f"{v2.storage_dir}/adapter_model.safetensors", "wb") as stored:
+            stored.write(b"\x00 not a safetensors header" * 8)
+        with WorkerClient(admin_token=ADMIN_TOKEN) as client:
+            assert client.unload_adapter(worker.url, v2.worker_name).ok
+        shutil.rmtree(Path(worker.env.get("INFERENCE_ADAPTER_CACHE_DIR") or ROOT / "var/adapter-cache") / v2.worker_name)
+        return api_key_create(tenant=v2.adapter.tenant, name="canary traffic")[1]
+
+    secret = off_loop(break_v2)
+    with httpx.Client(base_url=f"{live.url}/v1", headers={"Authorization": f"Bearer {secret}"}, timeout=120) as api:
+        for _ in range(5):
+            reply = api.post("/chat/completions", json={
+                "model": "acme/support-bot@v2", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 2})
+            assert reply.status_code >= 400, reply.text
+    failures = off_loop(lambda: list(UsageRecord.objects.filter(adapter_version__number=2, status_code__gte=400)
+                                     .values_list("status_code", "error_code")))
+    assert failures == [(400, "adapter_load_failed")] * 5, failures  # the worker refuses the damaged file
+    from portal.rollouts.services import canary_guard_check
+
+    deployment_id = off_loop(lambda: Adapter.objects.get(tenant__slug="acme", name="support-bot").deployment.pk)
+    assert off_loop(canary_guard_check, deployment_id=deployment_id) == [2]
+    page.reload()
+    banner = page.inner_text("#canary-rollback-banner")
+    assert "rolled back v2" in banner and "5 errors" in banner, banner
+    # v2's weight is 0 now; its requests (1 answer, 5 failures) and the thumbs up stay on the page
+    assert [page.locator("#compare-v2 td").nth(i).inner_text() for i in (1, 2, 8)] == ["0", "6", "1 / 0"]
+    shot(page, "30-rollout-5-rollback-banner")
+    assert page.js_errors == [] and page.dialogs == []

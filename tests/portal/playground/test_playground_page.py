@@ -49,6 +49,12 @@ def test_model_picker_lists_the_tenants_servable_models(acme, client):
     picker = re.search(r'<select id="pg-model".*?</select>', html, re.S).group(0)
     options = re.findall(r'<option value="([^"]*)">', picker)
     assert options == [BASE, "acme/bot", "acme/bot@v1"]
+    # side by side: two "compare with" pickers of the same models, empty ("—") by default
+    for n in (2, 3):
+        compare = re.search(rf'<select id="pg-model-{n}".*?</select>', html, re.S).group(0)
+        assert re.findall(r'<option value="([^"]*)">', compare) == ["", BASE, "acme/bot", "acme/bot@v1"]
+    assert 'id="pg-model-4"' not in html
+    assert re.search(r'<div id="pg-columns" class="pg-columns single">\s*<div class="pg-column" data-column="0">', html)
     # the optional structured-output boxes, and the tool choices the consumer takes
     assert 'id="pg-schema"' in html and 'id="pg-tools"' in html
     tool_choice = re.search(r'<select id="pg-tool-choice".*?</select>', html, re.S).group(0)

@@ -141,7 +141,10 @@ async def test_stop_aborts_the_generation_and_the_worker_request(live_worker, co
     messages = await receive_until(comm, "cancelled", timeout=30)
     assert {"type": "error", "status": 409, "code": "busy",
             "message": "a generation is already running; stop it first"} in messages
-    assert messages[-1] == {"type": "cancelled", "request_id": start["request_id"]}
+    cancelled = messages[-1]
+    assert cancelled == {"type": "cancelled", "column": 0, "request_id": start["request_id"],
+                         "completion_id": cancelled["completion_id"]}
+    assert cancelled["completion_id"].startswith("chatcmpl-")
     assert not [m for m in messages if m["type"] == "done"]
 
     await database_sync_to_async(wait_until)(
@@ -254,7 +257,7 @@ async def test_chat_with_an_adapter_loads_it_lazily_and_bills_the_version(live_w
         await comm.send_json_to({"type": "chat", "model": model, "messages": HELLO, "max_tokens": 6,
                                  "temperature": 0})
         messages = await receive_until(comm, "done", timeout=60)
-        assert messages[0] == {"type": "start", "request_id": messages[0]["request_id"], "model": model}
+        assert messages[0] == {"type": "start", "column": 0, "request_id": messages[0]["request_id"], "model": model}
         answers[model] = "".join(m["text"] for m in messages if m["type"] == "delta")
     await comm.disconnect()
     assert answers["acme/bot"] and answers["acme/bot"] != answers[BASE]
