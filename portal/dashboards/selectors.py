@@ -1,5 +1,7 @@
-"""Reads for the staff dashboards: the fleet as the last poll saw it (portal.fleet), and the
-usage ledger (portal.usage) summed per tenant, per adapter and per day. JSON-ready dicts only.
+"""Reads for the staff dashboards: the fleet as the last poll saw it (portal.fleet), usage
+summed per adapter over a time range (portal.usage's roll-ups) and billing per month. JSON-ready
+dicts only. The series over time (latency, errors, objectives, fleet history) are read by
+portal.usage.timeseries and portal.fleet.selectors.
 
 Quota rejections are the ledger's 429 rows: the gateway (and the playground) write one usage
 row with status 429 for every request quota admission refused.
@@ -8,30 +10,22 @@ row with status 429 for every request quota admission refused.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from datetime import UTC, date, timedelta
+from datetime import datetime
 from decimal import Decimal
 
 from django.db.models import Count, Q, Sum
-from django.db.models.functions import TruncDate
 
+from portal.adapters.models import AdapterVersion
 from portal.fleet.models import InferenceWorker, WorkerDiscovery
 from portal.tenants.models import Tenant
-from portal.tenants.plans import plan_for
-from portal.usage.billing import money, statement_for, token_cost
-from portal.usage.models import COMPLETED_Q, ERROR_Q, UsageRecord
-from portal.usage.percentiles import (
-    PERCENTILES,
-    PercentileCont,
-    database_has_percentile_cont,
-    percentile_cont,
-)
-from portal.usage.periods import days_bounds
+from portal.usage.aggregates import WIDTHS, Dimension
+from portal.usage.billing import money, statement_for
+from portal.usage.models import ERROR_Q, UsageRecord, UsageRollup
+from portal.usage.timeseries import _cover, _segments_q
 
 MEMORY_KINDS = ("base_weights", "kv_cache", "adapter_slots", "host_adapters")
 TIERS = ("device", "host", "loading", "disk", "failed")
 QUOTA_REJECTED = Q(status_code=429)
-_P = {f"p{round(p * 100)}": p for p in PERCENTILES}
-_METRICS = {"ttft_ms": "time_to_first_token_ms", "latency_ms": "latency_ms"}
 
 
 def _iso(value) -> str | None:
@@ -125,98 +119,51 @@ def _sum_counters(many: list[dict]) -> dict:
     return {key: dict(value) if isinstance(value, Counter) else value for key, value in total.items()}
 
 
-# -- tenants ----------------------------------------------------------------------------------
-def _cost(tenant: Tenant, prompt: int, completion: int) -> Decimal:
-    plan = plan_for(tenant.plan)
-    return token_cost(prompt, plan.prompt_price_per_million) + token_cost(completion, plan.completion_price_per_million)
-
-
-def tenants_summary(*, start: date, end: date) -> dict:
-    """Per tenant over days [start, end]: requests, errors, quota rejections (429 rows), client
-    disconnects, tokens and spend at the tenant's plan prices; busiest first."""
-    lower, upper = days_bounds(start, end)
-    rows = (UsageRecord.objects.filter(created_at__gte=lower, created_at__lt=upper)
-            .values("tenant_id")
-            .annotate(requests=Count("id"), errors=Count("id", filter=ERROR_Q),
-                      quota_rejections=Count("id", filter=QUOTA_REJECTED),
-                      disconnects=Count("id", filter=Q(client_disconnected=True)),
-                      prompt_tokens=Sum("prompt_tokens"), completion_tokens=Sum("completion_tokens"))
-            .order_by())
-    by_tenant = {row["tenant_id"]: row for row in rows}
-    tenants = []
-    for tenant in Tenant.objects.filter(pk__in=by_tenant):
-        row = by_tenant[tenant.pk]
-        prompt, completion = row["prompt_tokens"] or 0, row["completion_tokens"] or 0
-        tenants.append({
-            "slug": tenant.slug, "name": tenant.name, "plan": tenant.plan, "status": tenant.status,
-            "requests": row["requests"], "errors": row["errors"], "quota_rejections": row["quota_rejections"],
-            "disconnects": row["disconnects"], "prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "spend": money(_cost(tenant, prompt, completion)),
-        })
-    tenants.sort(key=lambda t: (-t["total_tokens"], -t["requests"], t["slug"]))
-    return {"start": start.isoformat(), "end": end.isoformat(), "tenants": tenants}
-
-
-# -- latency ----------------------------------------------------------------------------------
-def latency_series(*, start: date, end: date, tenant: str | None = None, model: str | None = None) -> dict:
-    """TTFT and total latency p50/p95/p99 (ms) per UTC day over completed requests, optionally
-    for one tenant (slug) and/or one model id; days without requests have None."""
-    lower, upper = days_bounds(start, end)
-    records = UsageRecord.objects.filter(COMPLETED_Q, created_at__gte=lower, created_at__lt=upper)
-    if tenant:
-        records = records.filter(tenant__slug=tenant)
-    if model:
-        records = records.filter(model=model)
-    records = records.annotate(day=TruncDate("created_at", tzinfo=UTC))
-    found: dict[date, dict] = {}
-    if database_has_percentile_cont():
-        rows = records.values("day").annotate(requests=Count("id"), **{
-            f"{metric}__{name}": PercentileCont(column, p)
-            for metric, column in _METRICS.items() for name, p in _P.items()}).order_by("day")
-        for row in rows:
-            found[row["day"]] = {"requests": row["requests"], **{
-                metric: {name: row[f"{metric}__{name}"] for name in _P} for metric in _METRICS}}
-    else:
-        values: dict[date, list[tuple]] = defaultdict(list)
-        for day, ttft, latency in records.values_list("day", "time_to_first_token_ms", "latency_ms"):
-            values[day].append((ttft, latency))
-        for day, pairs in values.items():
-            found[day] = {"requests": len(pairs), **{
-                metric: {name: percentile_cont([pair[i] for pair in pairs], p) for name, p in _P.items()}
-                for i, metric in enumerate(_METRICS)}}
-    days = []
-    day = start
-    empty = {"requests": 0, **{metric: dict.fromkeys(_P) for metric in _METRICS}}
-    while day <= end:
-        days.append({"date": day.isoformat(), **found.get(day, empty)})
-        day += timedelta(days=1)
-    return {"start": start.isoformat(), "end": end.isoformat(), "tenant": tenant, "model": model,
-            "requests": sum(day["requests"] for day in days), "days": days}
-
-
-def latency_filters(*, start: date, end: date) -> dict:
-    """The tenants and models with requests in [start, end], for the latency page's pickers."""
-    lower, upper = days_bounds(start, end)
-    records = UsageRecord.objects.filter(created_at__gte=lower, created_at__lt=upper)
-    return {"tenants": sorted(set(records.values_list("tenant__slug", flat=True))),
-            "models": sorted(set(records.values_list("model", flat=True)) - {""})}
-
-
 # -- adapters ---------------------------------------------------------------------------------
-def top_adapters(*, start: date, end: date, limit: int = 20) -> dict:
-    """The adapters (model ids served by an adapter version) with the most tokens in [start, end]."""
-    lower, upper = days_bounds(start, end)
-    rows = (UsageRecord.objects.filter(created_at__gte=lower, created_at__lt=upper, adapter_version__isnull=False)
-            .values("model", "tenant__slug")
-            .annotate(requests=Count("id"), errors=Count("id", filter=ERROR_Q),
-                      prompt_tokens=Sum("prompt_tokens"), completion_tokens=Sum("completion_tokens"),
-                      versions=Count("adapter_version_id", distinct=True))
-            .order_by())
-    adapters = [{
-        "model": row["model"], "tenant": row["tenant__slug"], "requests": row["requests"], "errors": row["errors"],
-        "prompt_tokens": row["prompt_tokens"] or 0, "completion_tokens": row["completion_tokens"] or 0,
-        "total_tokens": (row["prompt_tokens"] or 0) + (row["completion_tokens"] or 0), "versions": row["versions"],
-    } for row in rows]
+_ADAPTER_SUMS = ("requests", "errors", "prompt_tokens", "completion_tokens")
+
+
+def top_adapters(*, start: datetime, end: datetime, limit: int = 20) -> dict:
+    """The adapters with the most tokens over requests started in [start, end): per adapter
+    (its model id `tenant/name`, every version and `@vN` id it was called by folded in), its
+    requests, errors, tokens and how many of its versions served them.
+
+    From the usage roll-ups' "version" rows (requests that ran on an adapter version; key "" is
+    the base model): the coarsest rows that fit inside the range (timeseries' cover: day rows
+    for whole days, hour and minute rows at the edges) summed per version, and the ledger for
+    what no roll-up holds (the edges under a minute, the live tail since the last roll-up run).
+    So a 30-day range reads ~30 day rows per version instead of a month of ledger rows."""
+    per_version: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(_ADAPTER_SUMS, 0))
+    segments = _cover(start, end, tuple(WIDTHS))
+    rolled = _segments_q([segment for segment in segments if segment[0] is not None])
+    if rolled is not None:
+        rows = (UsageRollup.objects.filter(rolled, dimension=Dimension.VERSION).exclude(key="")
+                .values("key").annotate(**{name: Sum(name) for name in _ADAPTER_SUMS}).order_by())
+        for row in rows:
+            for name in _ADAPTER_SUMS:
+                per_version[int(row["key"])][name] += row[name]
+    for _, lower, upper in (segment for segment in segments if segment[0] is None):
+        rows = (UsageRecord.objects.filter(created_at__gte=lower, created_at__lt=upper, adapter_version__isnull=False)
+                .values("adapter_version_id")
+                .annotate(requests=Count("id"), errors=Count("id", filter=ERROR_Q),
+                          prompt_tokens=Sum("prompt_tokens"), completion_tokens=Sum("completion_tokens"))
+                .order_by())
+        for row in rows:
+            for name in _ADAPTER_SUMS:
+                per_version[row["adapter_version_id"]][name] += row[name] or 0
+    per_adapter: dict[int, dict] = {}
+    versions = AdapterVersion.objects.filter(pk__in=per_version).select_related("adapter__tenant")
+    for version in versions:
+        adapter = version.adapter
+        entry = per_adapter.setdefault(adapter.pk, {
+            "model": adapter.public_id, "tenant": adapter.tenant.slug, **dict.fromkeys(_ADAPTER_SUMS, 0),
+            "total_tokens": 0, "versions": 0})
+        sums = per_version[version.pk]
+        for name in _ADAPTER_SUMS:
+            entry[name] += sums[name]
+        entry["total_tokens"] += sums["prompt_tokens"] + sums["completion_tokens"]
+        entry["versions"] += 1
+    adapters = list(per_adapter.values())
     adapters.sort(key=lambda a: (-a["total_tokens"], -a["requests"], a["model"]))
     return {"start": start.isoformat(), "end": end.isoformat(), "adapters": adapters[:limit]}
 

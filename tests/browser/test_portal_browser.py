@@ -230,35 +230,92 @@ def test_member_journey_key_upload_ready_playground_usage(live, worker, browser,
     staff = new_page(browser)
     try:
         log_in(staff, live, "sam")
-        off_loop(fleet_poll)  # what beat does every 10 s: the page shows the worker as last polled
-        json_requests: list[str] = []
-        staff.on("request", lambda r: json_requests.append(r.url) if ".json" in r.url else None)
-        for number, (name, path) in enumerate(DASHBOARDS, start=18):
-            json_requests.clear()
-            staff.goto(f"{live.url}/dashboards/{path}")
-            staff.wait_for_load_state("networkidle")
-            assert staff.locator("p.bad").count() == 0, name  # a chart that failed to load says so
-            charts = staff.locator("canvas[data-chart]").count()
-            assert charts >= 1 and staff.evaluate(
-                "[...document.querySelectorAll('canvas[data-chart]')].every(c => Chart.getChart(c))"), name
-            assert len(json_requests) == 1, (name, json_requests)  # the fleet page's 3 charts share one
-            if name == "fleet":
-                assert charts == 3
-                row = staff.locator("tbody tr", has_text=worker.url)
-                assert row.count() == 1 and "unhealthy" not in row.inner_text()
-                assert row.locator(".ok", has_text=re.compile(r"^healthy$")).count() == 1
-                # The adapter cache saw this journey's adapter requests (2 playground turns, 1 API call).
-                cache = re.search(r"of (\d+) adapter requests found the adapter in memory", staff.inner_text("#fleet-cache"))
-                assert cache and int(cache[1]) >= 3, staff.inner_text("#fleet-cache")
-                assert "% warm" in row.inner_text()
-            shot(staff, f"{number}-dash-{name}")
-        assert staff.js_errors == [] and staff.dialogs == []
+        _dashboards(staff, live, worker)
     finally:
         staff.context.close()
 
 
-DASHBOARDS = [("fleet", ""), ("tenants", "tenants/"), ("latency", "latency/"), ("adapters", "adapters/"),
-              ("billing", "billing/")]
+# (name, path, distinct JSON URLs its charts read, charts): the fleet page's 3 snapshot charts
+# share fleet.json, its 5 history charts fleet-history.json; the latency page's 5 share one.
+DASHBOARDS = [("fleet", "", 2, 8), ("tenants", "tenants/", 1, 1), ("latency", "latency/", 1, 5),
+              ("errors", "errors/", 1, 1), ("objectives", "objectives/", 1, 1), ("adapters", "adapters/", 1, 1),
+              ("billing", "billing/", 1, 1)]
+CHART_SUM = """([kind, label]) => { const c = Chart.getChart(document.querySelector(`canvas[data-chart="${kind}"]`));
+  const d = c.data.datasets.find(d => d.label === label); return d ? d.data.reduce((a, b) => a + (b || 0), 0) : 0; }"""
+
+
+def _dashboards(staff, live, worker) -> None:
+    """Every dashboard on the last 15 minutes (a live range): its charts drew from its JSON; then
+    a new ledger row shows up on the latency and errors pages without a reload."""
+    from portal.dashboards import views
+
+    off_loop(fleet_poll)  # what beat does every 10 s: the page shows the worker as last polled
+    json_requests: list[str] = []
+    staff.on("request", lambda r: json_requests.append(r.url) if ".json" in r.url else None)
+    for number, (name, path, sources, charts) in enumerate(DASHBOARDS, start=1):
+        json_requests.clear()
+        staff.goto(f"{live.url}/dashboards/{path}" + ("" if name == "billing" else "?range=15m"))
+        staff.wait_for_load_state("networkidle")
+        assert staff.locator("p.bad").count() == 0, name  # a chart that failed to load says so
+        assert staff.locator("canvas[data-chart]").count() == charts, name
+        assert staff.evaluate("[...document.querySelectorAll('canvas[data-chart]')].every(c => Chart.getChart(c))"), name
+        assert len(set(json_requests)) == sources, (name, json_requests)
+        assert staff.locator("#dash-live").count() == (name != "billing"), name
+        if name == "fleet":
+            row = staff.locator("tbody tr", has_text=worker.url)
+            assert row.count() == 1 and "unhealthy" not in row.inner_text()
+            assert row.locator(".ok", has_text=re.compile(r"^healthy$")).count() == 1
+            # The adapter cache saw this journey's adapter requests (2 playground turns, 1 API call).
+            cache = re.search(r"of (\d+) adapter requests found the adapter in memory", staff.inner_text("#fleet-cache"))
+            assert cache and int(cache[1]) >= 3, staff.inner_text("#fleet-cache")
+            assert "% warm" in row.inner_text()
+            # The poll above is in the history: the running-requests chart has a point, and the
+            # worker's first poll is a health change, drawn as a marker and listed.
+            assert staff.evaluate("Chart.getChart(document.querySelector('canvas[data-chart=history-requests]'))"
+                                  ".data.datasets[0].data.some(v => v !== null)")
+            assert "healthy" in staff.inner_text("#fleet-events")
+        if name == "latency":
+            assert int(staff.inner_text("#latency-requests")) >= 3
+        shot(staff, f"18-dash-{number}-{name}")
+
+    # Live: the pages fetch their JSON again while open (every 2 s here instead of 10).
+    views.REFRESH_S = 2
+    try:
+        for page_name, kind, label, row in (("latency", "latency-cold", "cold requests", {"adapter_tier": "disk"}),
+                                            ("errors", "errors", "429 rate_limit_exceeded",
+                                             {"status_code": 429, "error": "rate limit", "error_code": "rate_limit_exceeded",
+                                              "time_to_first_token_ms": None})):
+            staff.goto(f"{live.url}/dashboards/{page_name}/?range=15m")
+            staff.wait_for_load_state("networkidle")
+            staff.evaluate("window.notReloaded = true")
+            stamp = staff.inner_text("#dash-updated")
+            before = staff.evaluate(CHART_SUM, [kind, label])
+            off_loop(_ledger_row, **row)
+            staff.wait_for_function("s => document.getElementById('dash-updated').textContent !== s", arg=stamp,
+                                    timeout=15_000)
+            staff.wait_for_function(f"([k, l, n]) => ({CHART_SUM})([k, l]) > n", arg=[kind, label, before],
+                                    timeout=15_000)
+            assert staff.evaluate("window.notReloaded === true")
+            # An "empty" note the new row contradicts is gone (the tables stay as of the page load).
+            assert all(note.is_hidden() for note in staff.locator("p.empty[data-hide-when]").all())
+            if page_name == "latency":
+                assert int(staff.inner_text("#latency-cold")) >= 1
+            shot(staff, f"18-dash-{8 if page_name == 'latency' else 9}-{page_name}-live")
+    finally:
+        views.REFRESH_S = 10
+    assert staff.js_errors == [] and staff.dialogs == []
+
+
+def _ledger_row(**fields) -> None:
+    """A completed request of acme's adapter, as the gateway records it (unless fields say otherwise)."""
+    import uuid
+
+    from portal.tenants.models import Tenant
+    from portal.usage.services import usage_record_create
+
+    values = {"model": "acme/support-bot", "prompt_tokens": 5, "completion_tokens": 3, "time_to_first_token_ms": 2400.0,
+              "inter_token_ms": 20.0, "queue_ms": 3.0, "latency_ms": 2500.0, "finish_reason": "length", **fields}
+    usage_record_create(request_id=f"live_{uuid.uuid4().hex}", tenant=Tenant.objects.get(slug="acme"), **values)
 
 
 def test_member_of_a_gets_404_on_b(live, page):

@@ -1,4 +1,7 @@
-"""Staff dashboards: who may see them, and the JSON their charts read, over seeded rows."""
+"""Staff dashboards: who may see them, the snapshot and summary JSON their charts read over
+seeded rows, and the pages' time range (every range and bucket; bad ones are 400s naming the
+parameter). The series over time (latency, errors, objectives, fleet history) are in
+test_series.py."""
 
 from __future__ import annotations
 
@@ -11,12 +14,18 @@ from portal.adapters.models import Adapter, AdapterVersion
 from portal.fleet.models import InferenceWorker, WorkerDiscovery
 from portal.tenants.models import Membership
 from portal.tenants.services import membership_create, tenant_create
+from portal.usage.models import UsageRecord
+from portal.usage.rollups import usage_rollup_refresh
 from portal.usage.services import usage_record_create
 
-PAGES = ["/dashboards/", "/dashboards/tenants/", "/dashboards/latency/", "/dashboards/adapters/",
-         "/dashboards/billing/"]
-APIS = ["/dashboards/api/fleet.json", "/dashboards/api/tenants.json", "/dashboards/api/latency.json",
-        "/dashboards/api/adapters.json", "/dashboards/api/billing.json"]
+RANGED_PAGES = ["/dashboards/", "/dashboards/tenants/", "/dashboards/latency/", "/dashboards/errors/",
+                "/dashboards/objectives/", "/dashboards/adapters/"]
+PAGES = [*RANGED_PAGES, "/dashboards/billing/"]
+RANGED_APIS = ["/dashboards/api/fleet-history.json", "/dashboards/api/tenants.json", "/dashboards/api/latency.json",
+               "/dashboards/api/errors.json", "/dashboards/api/objectives.json", "/dashboards/api/adapters.json"]
+APIS = [*RANGED_APIS, "/dashboards/api/fleet.json", "/dashboards/api/billing.json"]
+RANGES = ["15m", "1h", "6h", "24h", "7d", "30d"]
+BUCKETS = {"1m": 60, "5m": 300, "15m": 900, "1h": 3600, "6h": 21600, "1d": 86400}
 
 
 @pytest.fixture
@@ -27,7 +36,7 @@ def staff(django_user_model):
 @pytest.fixture
 def seeded(db):
     now = timezone.now()
-    yesterday = now - timedelta(days=1)
+    two_days_ago = now - timedelta(days=2)
     acme = tenant_create(slug="acme", name="<i>Acme</i>", plan="team")
     globex = tenant_create(slug="globex", name="Globex", plan="enterprise")
     bot = Adapter.objects.create(tenant=acme, name="bot")
@@ -43,7 +52,7 @@ def seeded(db):
 
     record(acme, "acme/bot", version=v1, prompt=10_000_000, completion=10_000_000, ttft=10, latency=100)
     record(acme, "acme/bot", version=v1, prompt=1000, completion=1000, ttft=30, latency=300)
-    record(acme, "smollm2", ttft=20, latency=400, when=yesterday)
+    record(acme, "smollm2", ttft=20, latency=400, when=two_days_ago)
     record(acme, "smollm2", prompt=0, completion=0, status=429, error="rate limit", ttft=None, latency=1)
     record(acme, "smollm2", prompt=5, completion=0, status=503, error="no worker", ttft=None, latency=2)
     record(acme, "smollm2", completion=7, disconnected=True, ttft=999, latency=9999)
@@ -69,9 +78,12 @@ def test_anonymous_users_go_to_login_and_non_staff_get_404(client, django_user_m
     client.force_login(member)
     for url in PAGES + APIS:
         assert client.get(url).status_code == 404, url
+    inactive = django_user_model.objects.create_user(username="old", password="x", is_staff=True, is_active=False)
+    client.force_login(inactive)
+    assert client.get("/dashboards/api/latency.json").status_code in (302, 404)
 
 
-def test_staff_see_every_page_with_its_chart(client, staff, seeded):
+def test_staff_see_every_page_with_its_chart_and_the_nav(client, staff, seeded):
     client.force_login(staff)
     for url in PAGES:
         response = client.get(url)
@@ -79,9 +91,95 @@ def test_staff_see_every_page_with_its_chart(client, staff, seeded):
         html = response.content.decode()
         assert "vendor/chartjs/chart.umd.min.js" in html and "dashboards/dashboards.js" in html
         assert "<i>Acme</i>" not in html
+        for link in ("/dashboards/errors/", "/dashboards/objectives/", "/dashboards/latency/"):
+            assert f'href="{link}"' in html, (url, link)
     html = client.get("/dashboards/tenants/").content.decode()
     assert "&lt;i&gt;Acme&lt;/i&gt;" in html and 'data-chart="tenants"' in html
     assert client.post("/dashboards/").status_code == 405
+    assert client.post("/dashboards/api/errors.json").status_code == 405
+
+
+@pytest.mark.parametrize("name", RANGES)
+def test_every_page_and_json_takes_each_range(client, staff, seeded, name):
+    client.force_login(staff)
+    live = name in ("15m", "1h", "6h")
+    for url in RANGED_APIS:
+        response = client.get(url, {"range": name})
+        assert response.status_code == 200, (url, response.content[:300])
+        data = response.json()
+        assert data["range"]["range"] == name and data["range"]["live"] is live, url
+    for url in RANGED_PAGES:
+        response = client.get(url, {"range": name})
+        assert response.status_code == 200, url
+        html = response.content.decode()
+        assert f'<option value="{name}" selected>' in html, url
+        # The charts read the JSON of the same range; short ranges ending now refresh themselves.
+        assert f"?range={name}" in html, url
+        assert ('id="dash-live" data-refresh-s="10"' in html) is live, url
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_every_page_and_json_takes_each_bucket(client, staff, seeded, bucket):
+    client.force_login(staff)
+    for url in RANGED_APIS:
+        response = client.get(url, {"range": "6h", "bucket": bucket})
+        assert response.status_code == 200, (url, response.content[:300])
+        assert response.json()["range"]["bucket_seconds"] == BUCKETS[bucket], url
+    for url in RANGED_PAGES:
+        html = client.get(url, {"range": "6h", "bucket": bucket}).content.decode()
+        assert f'<option value="{bucket}" selected>' in html, url
+
+
+def test_a_custom_range_is_not_live_and_keeps_its_dates_in_the_form(client, staff, seeded):
+    client.force_login(staff)
+    end = (timezone.now() + timedelta(minutes=1)).replace(microsecond=0, tzinfo=None)
+    start = end - timedelta(days=3)
+    params = {"range": "custom", "start": start.isoformat(), "end": end.isoformat()}
+    data = client.get("/dashboards/api/tenants.json", params).json()
+    assert data["range"]["range"] == "custom" and data["range"]["live"] is False
+    assert data["range"]["bucket"] == "1h"  # 72 hourly buckets: the smallest at most 120 points
+    assert data["tenants"][0]["requests"] == 6  # the two-day-old request is in
+    html = client.get("/dashboards/tenants/", params).content.decode()
+    assert f'name="start" value="{start.isoformat()}"' in html and 'id="dash-live"' not in html
+
+
+BAD_RANGES = [
+    ({"range": "2h"}, "range:"),
+    ({"range": "6h", "bucket": "7m"}, "bucket:"),
+    ({"range": "30d", "bucket": "1m"}, "bucket:"),  # 43,200 points
+    ({"range": "custom", "end": "2026-01-02T00:00"}, "start:"),
+    ({"range": "custom", "start": "2026-01-02T00:00", "end": "2026-01-01T00:00"}, "end:"),
+    ({"range": "custom", "start": "yesterday", "end": "2026-01-01T00:00"}, "start:"),
+    ({"range": "custom", "start": "2024-01-01T00:00", "end": "2026-01-01T00:00"}, "start/end:"),
+]
+
+
+@pytest.mark.parametrize(("params", "names"), BAD_RANGES)
+def test_bad_ranges_are_400s_naming_the_parameter(client, staff, db, params, names):
+    client.force_login(staff)
+    for url in RANGED_APIS:
+        response = client.get(url, params)
+        assert response.status_code == 400, url
+        assert response.json()["error"]["message"].startswith(names), (url, response.json())
+    for url in RANGED_PAGES:
+        response = client.get(url, params)
+        assert response.status_code == 400 and names in response.content.decode(), url
+
+
+@pytest.mark.parametrize(("url", "names"), [
+    ("/dashboards/api/billing.json?month=2024-13", "month:"),
+    ("/dashboards/api/tenants.json?days=7&range=1w", "range:"),
+    ("/dashboards/api/latency.json?tenant=" + "x" * 301, "tenant:"),
+    ("/dashboards/api/errors.json?tenant=" + "x" * 301, "tenant:"),
+    ("/dashboards/api/fleet-history.json?worker=abc", "worker:"),
+    ("/dashboards/api/fleet-history.json?worker=999999", "worker:"),
+])
+def test_bad_parameters_are_400s(client, staff, url, names, db):
+    client.force_login(staff)
+    response = client.get(url)
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith(names)
+    page = client.get("/dashboards/?worker=-1")
+    assert page.status_code == 400 and "worker:" in page.content.decode()
 
 
 def test_fleet_json(client, staff, seeded):
@@ -157,7 +255,7 @@ def test_the_fleet_page_shows_discovery_gone_and_mismatched_workers_with_their_r
 
 def test_tenants_json_counts_errors_quota_rejections_and_spend(client, staff, seeded):
     client.force_login(staff)
-    data = client.get("/dashboards/api/tenants.json?days=7").json()
+    data = client.get("/dashboards/api/tenants.json?range=7d").json()
     acme, globex = data["tenants"]
     assert acme["slug"] == "acme" and globex["slug"] == "globex"
     assert (acme["requests"], acme["errors"], acme["quota_rejections"], acme["disconnects"]) == (6, 2, 1, 1)
@@ -165,32 +263,14 @@ def test_tenants_json_counts_errors_quota_rejections_and_spend(client, staff, se
     # team plan: 0.08 / 0.24 USD per 1M tokens: 0.80008200 + 2.40024648
     assert acme["spend"] == "3.20" and globex["spend"] == "0.00"
     assert globex["total_tokens"] == 200
-    # one day only: yesterday's request drops out
-    assert client.get("/dashboards/api/tenants.json?days=1").json()["tenants"][0]["requests"] == 5
-
-
-def test_latency_json_per_day_tenant_and_model(client, staff, seeded):
-    client.force_login(staff)
-    data = client.get("/dashboards/api/latency.json?days=3").json()
-    assert [d["date"] for d in data["days"]] == [
-        (timezone.now() - timedelta(days=k)).date().isoformat() for k in (2, 1, 0)]
-    empty, yesterday, today = data["days"]
-    assert empty == {"date": empty["date"], "requests": 0, "ttft_ms": {"p50": None, "p95": None, "p99": None},
-                     "latency_ms": {"p50": None, "p95": None, "p99": None}}
-    assert data["requests"] == 4
-    assert yesterday["requests"] == 1 and yesterday["latency_ms"]["p50"] == 400
-    # completed only: errors, 429s and the disconnect are left out
-    assert today["requests"] == 3 and today["ttft_ms"]["p50"] == 30 and today["latency_ms"]["p50"] == 200
-    bot = client.get("/dashboards/api/latency.json?days=3&tenant=acme&model=acme/bot").json()
-    assert bot["tenant"] == "acme" and bot["model"] == "acme/bot"
-    assert bot["days"][2]["requests"] == 2 and bot["days"][2]["ttft_ms"]["p50"] == 20
-    assert bot["days"][2]["latency_ms"]["p99"] == pytest.approx(298)
-    assert client.get("/dashboards/api/latency.json?tenant=globex").json()["days"][-1]["requests"] == 1
+    # the last 24 hours: the two-day-old request drops out
+    assert client.get("/dashboards/api/tenants.json?range=24h").json()["tenants"][0]["requests"] == 5
+    assert (data["range"]["range"], data["range"]["bucket"]) == ("7d", "1h")  # what the charts read
 
 
 def test_top_adapters_and_billing_json(client, staff, seeded):
     client.force_login(staff)
-    top = client.get("/dashboards/api/adapters.json").json()
+    top = client.get("/dashboards/api/adapters.json?range=15m").json()
     assert top["adapters"] == [{"model": "acme/bot", "tenant": "acme", "requests": 2, "errors": 0,
                                 "prompt_tokens": 10_001_000, "completion_tokens": 10_001_000, "total_tokens": 20_002_000,
                                 "versions": 1}]
@@ -201,20 +281,51 @@ def test_top_adapters_and_billing_json(client, staff, seeded):
     assert billing["total_cost"] == "3.20" and billing["tenants"][0]["slug"] == "acme"
     assert client.get("/dashboards/api/billing.json?month=1999-01").json() == {
         "month": "1999-01", "tenants": [], "total_tokens": 0, "total_cost": "0.00"}
+    # Billing stays per month: it has no range form.
+    assert 'name="range"' not in client.get("/dashboards/billing/").content.decode()
 
 
-@pytest.mark.parametrize("url", ["/dashboards/api/tenants.json?days=0", "/dashboards/api/latency.json?days=abc",
-                                 "/dashboards/api/billing.json?month=2024-13", "/dashboards/api/adapters.json?days=9999"])
-def test_bad_parameters_are_400s(client, staff, url, db):
+def test_top_adapters_come_from_the_roll_ups_and_the_live_tail(client, staff, seeded):
+    """Rolled-up requests count even once their ledger rows are gone (the page reads roll-ups),
+    requests since the last roll-up run count from the ledger, and an adapter called by its
+    `@vN` id and by its deployment id is one adapter with every version it ran on."""
+    acme, v1 = seeded["acme"], seeded["version"]
+    v2 = AdapterVersion.objects.create(adapter=v1.adapter, number=2, source_path="/nowhere")
+    other = AdapterVersion.objects.create(adapter=Adapter.objects.create(tenant=seeded["globex"], name="sql"),
+                                          number=1, source_path="/nowhere")
+    three_days_ago = timezone.now() - timedelta(days=3)
+    usage_record_create(request_id="req_v2_old", tenant=acme, model="acme/bot@v2", adapter_version=v2,
+                        prompt_tokens=5, completion_tokens=5, status_code=502, error="upstream",
+                        created_at=three_days_ago, finished_at=three_days_ago)
+    usage_record_create(request_id="req_sql_old", tenant=seeded["globex"], model="globex/sql", adapter_version=other,
+                        prompt_tokens=1, completion_tokens=2, created_at=three_days_ago, finished_at=three_days_ago)
+    usage_rollup_refresh()
+    # Roll-ups only from here on for what they hold: a ledger row they folded no longer matters.
+    UsageRecord.objects.filter(created_at__lt=timezone.now() - timedelta(days=1)).delete()
+    usage_record_create(request_id="req_tail", tenant=acme, model="acme/bot@v1", adapter_version=v1,
+                        prompt_tokens=100, completion_tokens=100, created_at=timezone.now(),
+                        finished_at=timezone.now())
     client.force_login(staff)
-    response = client.get(url)
-    assert response.status_code == 400 and "error" in response.json()
-    assert client.get("/dashboards/tenants/?days=-1").status_code == 400
+    top = client.get("/dashboards/api/adapters.json?range=7d").json()
+    assert top["adapters"] == [
+        {"model": "acme/bot", "tenant": "acme", "requests": 4, "errors": 1, "prompt_tokens": 10_001_105,
+         "completion_tokens": 10_001_105, "total_tokens": 20_002_210, "versions": 2},
+        {"model": "globex/sql", "tenant": "globex", "requests": 1, "errors": 0, "prompt_tokens": 1,
+         "completion_tokens": 2, "total_tokens": 3, "versions": 1}]
+    assert top["range"]["range"] == "7d"
+    # The last day holds neither old request; base-model requests are no adapter's.
+    day = client.get("/dashboards/api/adapters.json?range=24h").json()["adapters"]
+    assert [(a["model"], a["requests"], a["versions"]) for a in day] == [("acme/bot", 3, 1)]
+    html = client.get("/dashboards/adapters/?range=7d").content.decode()
+    assert "<td>globex/sql</td>" in html and "smollm2" not in html
 
 
 def test_empty_states(client, staff, db):
     client.force_login(staff)
     assert "No inference worker is registered yet" in client.get("/dashboards/").content.decode()
-    assert "No requests from" in client.get("/dashboards/tenants/").content.decode()
+    assert "No requests in this range" in client.get("/dashboards/tenants/").content.decode()
     assert "Nothing billed" in client.get("/dashboards/billing/").content.decode()
-    assert "No completed requests in this period" in client.get("/dashboards/latency/").content.decode()
+    assert "No completed requests in this range" in client.get("/dashboards/latency/").content.decode()
+    assert "No errors in this range" in client.get("/dashboards/errors/").content.decode()
+    assert "No completed requests in this range" in client.get("/dashboards/objectives/").content.decode()
+    assert "No adapter was used in this range" in client.get("/dashboards/adapters/").content.decode()

@@ -11,6 +11,7 @@ from django.utils import timezone
 from portal.core.exceptions import InvalidInput
 from portal.core.ranges import TimeRange, parse_range
 from portal.tenants.services import tenant_create
+from portal.usage import timeseries
 from portal.usage.aggregates import floor_to
 from portal.usage.models import COMPLETED_Q, UsageRecord
 from portal.usage.percentiles import percentile_cont
@@ -65,12 +66,19 @@ def test_a_live_hour_reads_minute_rollups_and_the_ledger_after_the_last_run():
     assert bucket["ttft_ms"]["p95"] == pytest.approx(percentile_cont(ttfts, 0.95))
 
 
-def test_two_filters_read_the_ledger_and_agree_with_the_rollup_path():
+def test_two_filters_read_the_ledger_and_agree_with_the_rollup_path(monkeypatch):
     tenants, versions, now = _last_hour()
     time_range = TimeRange(start=floor_to(now, MINUTE) - timedelta(hours=1), end=floor_to(now, MINUTE),
                            bucket=MINUTE, name="custom")
     one = latency_series(time_range=time_range, version=versions[0].pk)
-    # every row of version 1 belongs to t0: version + tenant selects the same rows
+    # every row of version 1 belongs to t0: version + tenant selects the same rows, and the
+    # tenant is implied by the version, so the pair reads the version's roll-ups too ...
+    implied = latency_series(time_range=time_range, version=versions[0].pk, tenant=tenants[0].slug)
+    assert (implied["source"], implied["buckets"]) == ("rollup:minute", one["buckets"])
+    assert latency_series(time_range=time_range, model="t0/bot", tenant=tenants[0].slug)["source"] == "rollup:minute"
+    assert latency_series(time_range=time_range, model="base", tenant=tenants[0].slug)["source"] == "ledger"
+    # ... and the ledger's answer for two filters is the same
+    monkeypatch.setattr(timeseries, "_without_implied", lambda filters: filters)
     two = latency_series(time_range=time_range, version=versions[0].pk, tenant=tenants[0].slug)
 
     assert (one["source"], two["source"]) == ("rollup:minute", "ledger")
@@ -93,14 +101,18 @@ def test_odd_buckets_come_from_the_ledger_when_short_and_snap_to_a_granularity_w
                                            created_at__lt=start + timedelta(minutes=5)).values_list("latency_ms", flat=True)
     assert five[1]["latency_ms"]["p50"] == pytest.approx(percentile_cont(latencies, 0.5))
 
-    day = latency_series(time_range=parse_range({"range": "24h"}, now=now))  # asks 15m buckets
+    day = latency_series(time_range=parse_range({"range": "24h", "bucket": "15m"}, now=now))
     assert (day["range"]["bucket"], day["bucket"], day["source"]) == ("15m", "1h", "rollup:hour")
     assert day["requests"] == UsageRecord.objects.count()
-    week = latency_series(time_range=parse_range({"range": "7d"}, now=now))  # asks 6h buckets
+    week = latency_series(time_range=parse_range({"range": "7d", "bucket": "6h"}, now=now))
     assert (week["range"]["bucket"], week["bucket"], week["source"]) == ("6h", "1h", "rollup:hour")
     assert week["requests"] == UsageRecord.objects.count()
+    # By default a long range asks for a granularity the roll-ups have, and gets it.
+    default_day = latency_series(time_range=parse_range({"range": "24h"}, now=now))
+    assert (default_day["range"]["bucket"], default_day["bucket"]) == ("1h", "1h")
     month = latency_series(time_range=parse_range({"range": "30d"}, now=now))
-    assert (month["bucket"], len(month["buckets"])) == ("1h", 721)
+    assert (month["range"]["bucket"], month["bucket"], len(month["buckets"])) == ("1d", "1d", 31)
+    assert month["requests"] == UsageRecord.objects.count()
 
 
 def test_filters_list_what_was_used_and_bad_filters_are_refused():
