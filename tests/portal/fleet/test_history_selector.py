@@ -43,8 +43,8 @@ def test_the_coarsest_resolution_that_holds_the_range_and_fits_its_buckets_is_re
         time_range = parse_range({"range": name}, now=now)
         picks[name] = (time_range.bucket_name, history_resolution(time_range.floor(now - delta), time_range.bucket,
                                                                   now=now))
-    assert picks == {"15m": ("1m", "minute"), "6h": ("5m", "minute"), "24h": ("15m", "minute"),
-                     "7d": ("6h", "hour"), "30d": ("6h", "hour")}
+    assert picks == {"15m": ("1m", "minute"), "6h": ("5m", "minute"), "24h": ("1h", "hour"),
+                     "7d": ("1h", "hour"), "30d": ("1d", "hour")}
     # Minute buckets 20 days ago: only hour rows are left. Buckets under a minute: raw polls.
     assert history_resolution(now - timedelta(days=20), MINUTE, now=now) == "hour"
     assert history_resolution(now - timedelta(hours=2), MINUTE, now=now) == "minute"
