@@ -167,7 +167,9 @@ CELERY_TASK_TIME_LIMIT = 300
 _TASKS = {  # name: (queue, soft limit, hard limit)
     "portal.fleet.tasks.fleet_poll_task": ("fleet", 25, 30),  # every 10 s; probes time out after 2 s
     "portal.fleet.tasks.fleet_history_fold_task": ("celery", 120, 150),  # every minute: folds what is new
-    "portal.usage.tasks.usage_rollup_refresh_task": ("celery", 120, 150),  # every minute: ~1 s on 2M rows a month
+    # every minute: ~1-2 s on 2M rows a month; a first run (or one after migration 0007) recomputes
+    # every bucket the retention keeps, ~2 min on such a ledger
+    "portal.usage.tasks.usage_rollup_refresh_task": ("celery", 900, 960),
     "portal.usage.tasks.usage_rollup_prune_task": ("celery", 240, 300),  # hourly: deletes past retention
     "portal.adapters.tasks.adapter_version_validate_task": ("adapters", 600, 660),  # unpack + check GBs
     "portal.adapters.staging.version_stage_task": ("adapters", 330, 390),  # one load: up to 300 s

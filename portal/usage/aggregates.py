@@ -38,8 +38,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "latency": ("latency_ms", "all"),
     "queue": ("queue_ms", "all"),
 }
-COUNTS = ("requests", "completed", "errors", "cold_requests", "retried", "disconnects", "prompt_tokens",
-          "completion_tokens", "ttft_requests", "slo_met")
+COUNTS = ("requests", "completed", "errors", "cold_requests", "retried", "billed", "disconnects",
+          "prompt_tokens", "completion_tokens", "ttft_requests", "slo_met")
 COLD_TIERS = (UsageRecord.AdapterTier.HOST, UsageRecord.AdapterTier.DISK)
 P_NAMES = tuple(f"p{round(p * 100)}" for p in PERCENTILES)
 PERCENTILE_FIELDS = tuple(f"{metric}_{p}_ms" for metric in METRICS for p in P_NAMES)
@@ -101,6 +101,7 @@ def aggregate_sql(*, width: timedelta, start: datetime, end: datetime, filters: 
         "count(*) FILTER (WHERE r.status_code >= 400 OR r.error <> '') AS errors",
         f"count(*) FILTER (WHERE {cold}) AS cold_requests",
         "count(*) FILTER (WHERE r.upstream_attempts > 1) AS retried",
+        "count(*) FILTER (WHERE r.prompt_tokens > 0 OR r.completion_tokens > 0) AS billed",
         "count(*) FILTER (WHERE r.client_disconnected) AS disconnects",
         "coalesce(sum(r.prompt_tokens), 0) AS prompt_tokens",
         "coalesce(sum(r.completion_tokens), 0) AS completion_tokens",
@@ -173,6 +174,7 @@ def aggregate_python(*, width: timedelta, start: datetime, end: datetime, filter
             "errors": sum(1 for r in rows if r["status_code"] >= 400 or r["error"] != ""),
             "cold_requests": sum(1 for r in rows if r["adapter_tier"] in COLD_TIERS),
             "retried": sum(1 for r in rows if r["upstream_attempts"] > 1),
+            "billed": sum(1 for r in rows if r["prompt_tokens"] or r["completion_tokens"]),
             "disconnects": sum(1 for r in rows if r["client_disconnected"]),
             "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
             "completion_tokens": sum(r["completion_tokens"] for r in rows),

@@ -204,6 +204,9 @@ class UsageRollup(models.Model):
     errors = models.PositiveIntegerField(default=0)
     cold_requests = models.PositiveIntegerField(default=0)  # adapter_tier host or disk
     retried = models.PositiveIntegerField(default=0)  # upstream_attempts > 1
+    # Requests that used tokens: those a statement bills (portal.usage.billing), so the billing
+    # dashboard sums these instead of the month's ledger.
+    billed = models.PositiveIntegerField(default=0)
     disconnects = models.PositiveIntegerField(default=0)  # client_disconnected
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)

@@ -206,7 +206,8 @@ def usage_totals(*, time_range: TimeRange) -> dict:
         spend = token_cost(prompt, plan.prompt_price_per_million) + token_cost(completion, plan.completion_price_per_million)
         tenants.append({
             "slug": tenant.slug, "name": tenant.name, "plan": tenant.plan, "status": tenant.status,
-            "requests": row["requests"], "errors": row["errors"], "quota_rejections": rejected[tenant.pk],
+            "requests": row["requests"], "billed_requests": row["billed"], "errors": row["errors"],
+            "quota_rejections": rejected[tenant.pk],
             "disconnects": row["disconnects"], "prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion, "spend": money(spend),
         })
@@ -310,7 +311,7 @@ def _latency_bucket(start: datetime, row: dict | None) -> dict:
     }
 
 
-_COUNTS = ("requests", "errors", "retried", "disconnects", "prompt_tokens", "completion_tokens", "ttft_requests",
+_COUNTS = ("requests", "errors", "retried", "billed", "disconnects", "prompt_tokens", "completion_tokens", "ttft_requests",
            "slo_met")
 
 
@@ -404,7 +405,9 @@ def _ledger_counts(*, start: datetime, end: datetime, width: timedelta, filters:
             cursor.execute(
                 "SELECT date_bin(make_interval(secs => %s), r.created_at, %s) AS bucket, r.tenant_id, count(*), "
                 "count(*) FILTER (WHERE r.status_code >= 400 OR r.error <> ''), "
-                "count(*) FILTER (WHERE r.upstream_attempts > 1), count(*) FILTER (WHERE r.client_disconnected), "
+                "count(*) FILTER (WHERE r.upstream_attempts > 1), "
+                "count(*) FILTER (WHERE r.prompt_tokens > 0 OR r.completion_tokens > 0), "
+                "count(*) FILTER (WHERE r.client_disconnected), "
                 "coalesce(sum(r.prompt_tokens), 0), coalesce(sum(r.completion_tokens), 0), "
                 f"count(r.time_to_first_token_ms) FILTER (WHERE {completed}), "
                 f"count(*) FILTER (WHERE {completed} AND r.time_to_first_token_ms <= {target}) "
@@ -425,6 +428,7 @@ def _ledger_counts(*, start: datetime, end: datetime, width: timedelta, filters:
         values["requests"] += 1
         values["errors"] += row["status_code"] >= 400 or row["error"] != ""
         values["retried"] += row["upstream_attempts"] > 1
+        values["billed"] += bool(row["prompt_tokens"] or row["completion_tokens"])
         values["disconnects"] += row["client_disconnected"]
         values["prompt_tokens"] += row["prompt_tokens"]
         values["completion_tokens"] += row["completion_tokens"]
