@@ -14,7 +14,16 @@ import openai
 import pytest
 
 from protocol.worker_api import REPORT_KEY
-from tests.portal.gateway.conftest import BASE, direct, model_path, sdk, wait_for_row
+from tests.inference.server.server_process import start_server
+from tests.portal.gateway.conftest import (
+    ADMIN_TOKEN,
+    BASE,
+    WORKER_FLAGS,
+    direct,
+    model_path,
+    sdk,
+    wait_for_row,
+)
 from tests.portal.gateway.lora_adapter import write_adapter
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
@@ -63,6 +72,39 @@ def test_cold_and_warm_starts_reach_the_ledger(acme, live, adapter_dirs):
         assert row.queue_ms is not None and 0 <= row.queue_ms <= row.latency_ms
         # four tokens: three gaps, each shorter than the whole request
         assert row.inter_token_ms is not None and 0 < row.inter_token_ms * 3 <= row.latency_ms
+
+
+@pytest.fixture(scope="module")
+def one_slot_worker(tmp_path_factory, gateway_port):
+    """The worker as the session's, with one device slot (--max-loras 1)."""
+    flags = list(WORKER_FLAGS)
+    flags[flags.index("--max-loras") + 1] = "1"
+    log = tmp_path_factory.mktemp("worker") / "one-slot.log"
+    proc = start_server(["--model", str(model_path()), *flags], log, env={
+        "INFERENCE_ADMIN_TOKEN": ADMIN_TOKEN, "INFERENCE_PORTAL_ORIGINS": f"http://127.0.0.1:{gateway_port}"})
+    yield proc
+    proc.stop()
+
+
+def test_with_one_slot_two_adapters_in_turn_are_cold_every_time(acme, live, settings, one_slot_worker, adapter_dirs):
+    """The seeds' case: more adapters in use than device slots. Each request for the other
+    adapter finds it out of the slot (read from disk the first time, copied from host memory
+    after), and the ledger says so; the same adapter twice in a row is warm."""
+    from portal.adapters.models import Adapter, AdapterVersion
+    from portal.gateway.resolve import base_model_forget
+
+    settings.INFERENCE_URLS = [one_slot_worker.url]
+    base_model_forget()
+    models = []
+    for name, directory in zip("xy", adapter_dirs, strict=False):
+        adapter = Adapter.objects.create(tenant=acme.tenant, name=f"slot-{name}")
+        AdapterVersion.objects.create(adapter=adapter, number=1, source_path=str(directory))
+        models.append(f"acme/slot-{name}")
+    x, y = models
+    client = sdk(live, acme.key)
+    rows = [chat(client, model)[1] for model in (x, y, x, y, y)]
+    assert [r.adapter_tier for r in rows] == ["disk", "disk", "host", "host", "device"]
+    assert all(r.worker_url == one_slot_worker.url and r.status_code == 200 for r in rows)
 
 
 def test_one_token_has_no_inter_token_gap(acme, live):
