@@ -43,7 +43,7 @@ def start_streams(url: str, count: int, max_tokens: int) -> list[SseStream]:
 def test_sigterm_lets_every_admitted_stream_finish_and_refuses_new_work(smollm2_path, tmp_path):
     worker = start(smollm2_path, tmp_path, str(GRACE))
     try:
-        streams = start_streams(worker.url, 8, max_tokens=96)
+        streams = start_streams(worker.url, 8, max_tokens=48)
         assert all(not s.done for s in streams), "the streams ended before the drain began: make them longer"
         worker.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
