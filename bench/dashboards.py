@@ -244,7 +244,7 @@ def served_from(path: str, data: dict) -> str:
         return data["source"]
     if "resolution" in data:
         return f"history:{data['resolution']}"
-    return {"fleet.json": "worker rows", "billing.json": "ledger (per tenant)",
+    return {"fleet.json": "worker rows", "billing.json": "roll-ups + ledger",
             "errors.json": "roll-ups + ledger", "objectives.json": "roll-ups + ledger",
             "tenants.json": "roll-ups + ledger", "adapters.json": "roll-ups + ledger"}.get(path.rsplit("/", 1)[-1], "-")
 
