@@ -11,6 +11,14 @@ the gateway (alternating, so drift in machine load hits both). A request is a ch
 streamed with ignore_eos (every request makes exactly --max-tokens tokens); TTFT is the time to
 the first content chunk as the client sees it. Printed: TTFT p50/p99 and tokens/s for each path,
 the added ms at p50/p99 and the throughput ratio gateway/direct.
+
+The gateway's own cost per streamed request (issue 16: goal <= 5 ms), read from the portal's
+/metrics: loraplex_gateway_overhead_seconds (portal.gateway.observe: arrival -> upstream send,
+plus the relay's CPU per chunk, summed) over --probe requests sent one at a time (nothing else
+in flight, so the wall part is the request's own), p50/p95 interpolated within the histogram's
+buckets as Prometheus' histogram_quantile does; and the portal process's CPU seconds
+(process_cpu_seconds_total) over the concurrent gateway phases per request (uvicorn, the HTTP
+client, parsing: everything the process did). Printed with the CPU model and torch's CPU capability.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -32,6 +41,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.machine import machine_line  # noqa: E402
+
 BASE = "smollm2"
 
 
@@ -71,16 +83,18 @@ def start_worker(log_dir: Path) -> tuple[str, subprocess.Popen]:
     return url, proc
 
 
-def start_portal(worker_url: str, log_dir: Path) -> tuple[str, subprocess.Popen]:
+def start_portal(worker_url: str, log_dir: Path, profile: str | None = None) -> tuple[str, subprocess.Popen]:
     port = free_port()
+    # --profile: the event loop's thread under cProfile, written when the portal stops (SIGINT)
+    profiler = [sys.executable, "-m", "cProfile", "-o", profile] if profile else [sys.executable]
     env = {**os.environ, "INFERENCE_URLS": worker_url, "LOG_LEVEL": "WARNING", "DEBUG": "false",
            "ALLOWED_HOSTS": "127.0.0.1,localhost"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+        [*profiler, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1", "--port", str(port),
          "--no-access-log", "--log-level", "warning"],
         cwd=ROOT, stdout=open(log_dir / "portal.log", "wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(f"{url}/healthz", proc)
+    wait_ready(f"{url}/metrics", proc)  # not /healthz: without collectstatic it answers 503
     return url, proc
 
 
@@ -141,6 +155,48 @@ async def phase(url: str, headers: dict, args, seed: int) -> tuple[list[float], 
     return [r[0] for r in results], sum(r[1] for r in results), wall
 
 
+METRIC_LINE = re.compile(r'^(?P<name>[a-z_:]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """/metrics as {(name, labels text): value}."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = METRIC_LINE.match(line)
+        if m:
+            out[(m["name"], m["labels"] or "")] = float(m["value"])
+    return out
+
+
+def overhead_buckets(before: dict, after: dict, part: str) -> tuple[list[tuple[float, float]], float, float]:
+    """([(upper bound, cumulative count)], count, sum) of loraplex_gateway_overhead_seconds{part}
+    between two scrapes."""
+    buckets = []
+    for (name, labels), value in after.items():
+        if name == "loraplex_gateway_overhead_seconds_bucket" and f'part="{part}"' in labels:
+            le = re.search(r'le="([^"]+)"', labels)[1]
+            buckets.append((float(le), value - before.get((name, labels), 0.0)))
+    key = lambda n: (n, f'part="{part}"')  # noqa: E731
+    count = after.get(key("loraplex_gateway_overhead_seconds_count"), 0) - before.get(
+        key("loraplex_gateway_overhead_seconds_count"), 0)
+    total = after.get(key("loraplex_gateway_overhead_seconds_sum"), 0) - before.get(
+        key("loraplex_gateway_overhead_seconds_sum"), 0)
+    return sorted(buckets), count, total
+
+
+def bucket_quantile(buckets: list[tuple[float, float]], count: float, q: float) -> float:
+    """histogram_quantile: linear within the bucket holding rank q * count."""
+    rank, lower, below = q * count, 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            if upper == float("inf"):
+                return lower
+            width = cumulative - below
+            return lower + (upper - lower) * ((rank - below) / width if width else 1.0)
+        lower, below = upper, cumulative
+    return lower
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -152,7 +208,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="per phase")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--probe", type=int, default=24,
+                        help="requests sent one at a time for the gateway's own time per request")
     parser.add_argument("--worker-url")
+    parser.add_argument("--profile", help="write a cProfile of the portal process here (pstats format)")
     args = parser.parse_args()
     log_dir = ROOT / "var" / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -165,16 +224,27 @@ def main() -> None:
             worker_url, proc = start_worker(log_dir)
             procs.append(proc)
         tenant, key = make_key()
-        portal_url, proc = start_portal(worker_url, log_dir)
+        portal_url, proc = start_portal(worker_url, log_dir, profile=args.profile)
         procs.append(proc)
         targets = {"direct": (worker_url, {}), "gateway": (portal_url, {"authorization": f"Bearer {key}"})}
         # warm both paths (connections, the portal's first queries)
         for url, headers in targets.values():
             asyncio.run(phase(url, headers, argparse.Namespace(**{**vars(args), "requests": 4}), seed=-1))
+        print(machine_line(), flush=True)
+        portal_headers = targets["gateway"][1]
+        before = scrape(portal_url)
+        asyncio.run(phase(portal_url, portal_headers, argparse.Namespace(
+            **{**vars(args), "requests": args.probe, "concurrency": 1}), seed=-2))
+        probe = scrape(portal_url)
+        cpu_seconds, cpu_requests = 0.0, 0
         stats = {name: {"ttft": [], "tokens": 0, "wall": 0.0} for name in targets}
         for r in range(args.rounds):
             for name, (url, headers) in targets.items():
+                cpu_before = scrape(portal_url).get(("process_cpu_seconds_total", ""), 0.0)
                 ttfts, tokens, wall = asyncio.run(phase(url, headers, args, seed=r))
+                if name == "gateway":
+                    cpu_seconds += scrape(portal_url).get(("process_cpu_seconds_total", ""), 0.0) - cpu_before
+                    cpu_requests += args.requests
                 stats[name]["ttft"] += ttfts
                 stats[name]["tokens"] += tokens
                 stats[name]["wall"] += wall
@@ -192,9 +262,23 @@ def main() -> None:
         d, g = summary["direct"], summary["gateway"]
         print(f"added by the gateway: TTFT p50 {g[0] - d[0]:+.1f} ms, p99 {g[1] - d[1]:+.1f} ms; "
               f"throughput ratio gateway/direct {g[2] / d[2]:.3f}")
+        print(f"\ngateway's own time per streamed request, server-side ({args.probe} requests one at a time, "
+              f"{args.max_tokens} tokens each; goal <= 5 ms):")
+        for part in ("to_upstream", "relay", "total"):
+            buckets, count, total = overhead_buckets(before, probe, part)
+            if not count:
+                print(f"  {part:11s} not reported (a portal without loraplex_gateway_overhead_seconds)")
+                continue
+            p50, p95 = bucket_quantile(buckets, count, .5) * 1000, bucket_quantile(buckets, count, .95) * 1000
+            goal = f"   goal <= 5 ms: {'met' if p50 <= 5 else 'not met'}" if part == "total" else ""
+            print(f"  {part:11s} p50 {p50:6.2f} ms  p95 {p95:6.2f} ms  mean {total / count * 1000:6.2f} ms{goal}")
+        if cpu_requests:
+            print(f"portal process CPU per request under load ({args.concurrency} concurrent, everything the "
+                  f"process did): {cpu_seconds / cpu_requests * 1000:.2f} ms")
+        print(machine_line())
     finally:
         for proc in reversed(procs):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGINT if args.profile and proc is procs[-1] else signal.SIGTERM)
             try:
                 proc.wait(15)
             except subprocess.TimeoutExpired:

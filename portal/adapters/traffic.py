@@ -65,10 +65,12 @@ def deployment_pick_version(*, adapter: Adapter, request_id: str) -> AdapterVers
     ready = adapter.versions.filter(status=AdapterVersion.Status.READY, retired_at__isnull=True) \
         .select_related("adapter__tenant")
     deployment = Deployment.objects.filter(adapter=adapter).only("weights").first()
-    return _pick(list(ready), deployment.weights if deployment else None, request_id)
+    return pick_version(list(ready), deployment.weights if deployment else None, request_id)
 
 
-def _pick(ready_versions: list[AdapterVersion], weights: dict | None, request_id: str) -> AdapterVersion | None:
+def pick_version(ready_versions: list[AdapterVersion], weights: dict | None, request_id: str) -> AdapterVersion | None:
+    """The deployment's split (`weights`: version number -> weight) over the ready versions, chosen
+    by a hash of the request id; for callers holding the rows already (the gateway's cache)."""
     ready = {v.number: v for v in ready_versions}
     if not ready:
         return None
@@ -102,5 +104,5 @@ def deployment_resolve(*, tenant: Tenant, model: str, request_id: str) -> Resolv
         weights = ready[0].adapter.deployment.weights
     except Deployment.DoesNotExist:
         weights = None
-    version = _pick(ready, weights, request_id)
+    version = pick_version(ready, weights, request_id)
     return ResolvedAdapter(public_id=model, version=version) if version is not None else None

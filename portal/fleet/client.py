@@ -20,6 +20,7 @@ worker on an internal address is never reached through a proxy; redirects are no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import weakref
@@ -296,23 +297,35 @@ class CompletionStream:
     async def chunks(self) -> AsyncIterator[dict]:
         """The JSON object of each SSE `data:` line, an error object included, up to [DONE].
         Other lines, and data that is not a JSON object, are skipped."""
+        async with contextlib.aclosing(self.events()) as events:
+            async for _, chunk in events:
+                yield chunk
+
+    async def events(self) -> AsyncIterator[tuple[str, dict]]:
+        """chunks(), each with its `data:` text as the worker sent it (the gateway relays that
+        text as it is when nothing in the chunk changes)."""
+        done = False
         try:
             async for line in self._response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
+                if done or not line.startswith("data:"):
+                    continue  # after [DONE]: the body's end, read so the connection is kept for reuse
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    return
+                    done = True
+                    continue
                 try:
                     chunk = json.loads(data)
                 except ValueError:
                     log.warning("unparsable chunk from %s: %r", self.url, data[:80])
                     continue
                 if isinstance(chunk, dict):
-                    yield chunk
+                    yield data, chunk
         except httpx.HTTPError as exc:
+            if done:
+                return  # the answer was whole; only its connection failed
             raise StreamBroken(f"{type(exc).__name__}: {exc}", kind=type(exc).__name__) from exc
-        raise StreamBroken("the stream ended without [DONE]", kind="RemoteProtocolError", ended=True)
+        if not done:
+            raise StreamBroken("the stream ended without [DONE]", kind="RemoteProtocolError", ended=True)
 
     async def aclose(self) -> None:
         await self._response.aclose()

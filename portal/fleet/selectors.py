@@ -65,20 +65,30 @@ class WorkerTarget:
     id: int | None  # None: a settings URL with no polled row yet
 
 
+def route_rows() -> tuple[list[InferenceWorker], frozenset[str]]:
+    """What route_candidates reads from the database: the healthy enabled rows, and (only when
+    there are none) the urls of disabled workers. The gateway reuses them for a second or so."""
+    workers = list(InferenceWorker.objects.filter(enabled=True, healthy=True))
+    if workers:
+        return workers, frozenset()
+    return [], frozenset(InferenceWorker.objects.filter(enabled=False).values_list("url", flat=True))
+
+
 def route_candidates(*, lora_name: str | None, max_load: int | None = None,
-                     inflight: Mapping[str, int] | None = None, prefix_key: str | None = None) -> list[WorkerTarget]:
+                     inflight: Mapping[str, int] | None = None, prefix_key: str | None = None,
+                     rows: tuple[list[InferenceWorker], frozenset[str]] | None = None) -> list[WorkerTarget]:
     """Workers to try for a request for `lora_name` (the worker-side adapter name, or None for
     the base model), best first. When no row is healthy (fresh start, nothing polled yet, or
     every poll failing) it falls back to settings.INFERENCE_URLS, minus workers disabled in
     the admin, in rendezvous order. An empty list means there is nowhere to send it.
-    prefix_key: what the prompt starts with, hashed (see rank_workers)."""
+    prefix_key: what the prompt starts with, hashed (see rank_workers). rows: route_rows(), when
+    the caller has them (no query then)."""
     if max_load is None:
         max_load = settings.FLEET_MAX_LOAD
-    workers = list(InferenceWorker.objects.filter(enabled=True, healthy=True))
+    workers, disabled = rows if rows is not None else route_rows()
     if workers:
         return rank_workers(workers, lora_name=lora_name, max_load=max_load, inflight=inflight,
                             prefix_key=prefix_key)
-    disabled = set(InferenceWorker.objects.filter(enabled=False).values_list("url", flat=True))
     urls = [url for url in (normalize_worker_url(u) for u in settings.INFERENCE_URLS) if url not in disabled]
     key = routing_key(lora_name, prefix_key)
     return [WorkerTarget(url=url, name=url.split("://", 1)[1], id=None)

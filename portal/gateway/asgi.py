@@ -25,7 +25,7 @@ from django.core.handlers.exception import convert_exception_to_response
 from django.http import Http404
 
 from portal.core.body_guard import BodyRejected, GuardedASGIHandler, has_body, header, send_json
-from portal.gateway import observe, services
+from portal.gateway import cache, observe, services
 from portal.gateway.errors import GatewayError, unexpected
 from portal.gateway.validation import max_body_bytes
 from portal.gateway.views import SCOPE_API_KEY, SCOPE_REQUEST_ID, error_response
@@ -68,7 +68,7 @@ class GatewayASGIHandler(GuardedASGIHandler):
 
     async def handle(self, scope, receive, send):
         scope[SCOPE_REQUEST_ID] = services.new_request_id()
-        with observe.observing(observe.RequestObservation()) as observation:
+        with observe.observing(observe.RequestObservation()) as observation, cache.request_scope():
             try:
                 await super().handle(scope, receive, observation.wrap_send(send))
             finally:

@@ -20,6 +20,7 @@ Every call to a worker goes through portal.fleet.client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -38,8 +39,8 @@ from portal.fleet.client import (
     version_load_body,
 )
 from portal.fleet.inflight import inflight_snapshot
-from portal.fleet.selectors import route_candidates
-from portal.gateway import observe, validation
+from portal.fleet.selectors import route_candidates, route_rows
+from portal.gateway import cache, observe, validation
 from portal.gateway.auth import Caller
 from portal.gateway.errors import GatewayError, no_worker, without_addresses
 from portal.gateway.ledger import Ledger, run_detached
@@ -99,6 +100,32 @@ def prompt_prefix_key(payload: dict) -> str | None:
     return hashlib.sha256(f"{salt}\0{start[:PREFIX_KEY_CHARS]}".encode()).hexdigest()[:32]
 
 
+def _dumps(chunk: dict) -> str:
+    return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))  # as the worker writes them
+
+
+def _swap_model(data: str, worker_model: str, public_id: str) -> str | None:
+    """The chunk's text with the public model id in place of the worker's, byte for byte
+    otherwise; None when the field is not found exactly once as the worker writes it (then the
+    chunk is re-encoded). Inside a JSON string a quote is escaped, so `"model":"..."` can only
+    be a key."""
+    field = f'"model":{json.dumps(worker_model, ensure_ascii=False)}'
+    if data.count(field) != 1:
+        return None
+    return data.replace(field, f'"model":{json.dumps(public_id, ensure_ascii=False)}')
+
+
+NULL_USAGE = ',"usage":null'
+
+
+def _drop_null_usage(data: str) -> str | None:
+    """The chunk's text without its `"usage":null` (what the worker adds to every chunk once asked
+    for the usage chunk), byte for byte otherwise; None when not found exactly once."""
+    if data.count(NULL_USAGE) != 1:
+        return None
+    return data.replace(NULL_USAGE, "")
+
+
 def _scrub(text: Any, target: ModelTarget) -> Any:
     """Worker messages name the adapter by its internal name; clients see the public id, and
     never an internal address (a URL, IP or host:port the worker's message may carry)."""
@@ -142,8 +169,9 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
     """The first worker's accepted completion (a CompletionStream, body unread), trying the
     candidates in order; 503 no_worker_available when none takes it."""
     lora_name = target.version.worker_name if target.version is not None else None
-    candidates = await db_sync_to_async(route_candidates)(lora_name=lora_name, inflight=inflight_snapshot(),
-                                                          prefix_key=prompt_prefix_key(payload))
+    rows = await cache.fleet_cached("route_rows", db_sync_to_async(route_rows))
+    candidates = route_candidates(lora_name=lora_name, inflight=inflight_snapshot(),
+                                  prefix_key=prompt_prefix_key(payload), rows=rows)
     if not candidates:
         raise no_worker("no inference worker is configured")
     content = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
@@ -155,6 +183,7 @@ async def open_upstream(*, endpoint: str, payload: dict, target: ModelTarget, le
         ledger.upstream_attempts = position
         loaded = False
         while True:  # left by return, raise, or break: this worker failed, try the next
+            observe.upstream_sending()
             reply, stream = await client.open_completion(url, path=WORKER_PATHS[endpoint], content=content)
             if stream is not None:
                 ledger.worker_url = url
@@ -248,6 +277,24 @@ class Completion:
     async def chunks(self) -> AsyncIterator[dict]:
         """The worker's chunks with the public model id; the usage chunk only if asked for; an
         error object ({"error": {...}}) last if the worker failed mid-stream."""
+        async with contextlib.aclosing(self._relayed()) as relayed:
+            async for _, chunk in relayed:
+                yield chunk
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """chunks() as the client's SSE events (`data: ...` and a blank line), [DONE] not
+        included. A chunk nothing was taken out of goes out as the worker's own text (the model
+        id swapped in place when it differs), re-encoded only when it changed otherwise."""
+        async with contextlib.aclosing(self._relayed()) as relayed:
+            async for data, chunk in relayed:
+                cpu = time.thread_time()
+                event = f"data: {data if data is not None else _dumps(chunk)}\n\n".encode()
+                observe.relay_work(time.thread_time() - cpu)
+                yield event
+
+    async def _relayed(self) -> AsyncIterator[tuple[str | None, dict]]:
+        """(the worker's data text when it can be relayed as is, else None; the chunk as the
+        client gets it), the ledger fed on the way and written at the end."""
         if self._started:
             raise RuntimeError("a completion's chunks can be iterated once")
         self._started = True
@@ -257,23 +304,31 @@ class Completion:
         error_chunk: dict | None = None
         try:
             try:
-                async for chunk in ledger.upstream.chunks():
+                async for data, chunk in ledger.upstream.events():
+                    cpu = time.thread_time()
                     if "error" in chunk:
                         error = ErrorObject.from_json(chunk) or ErrorObject(str(chunk["error"]), type="server_error")
                         error = dataclasses.replace(error, message=_scrub(error.message, self.target))
                         ledger.fail(message=error.message or "the worker reported an error", code=error.code,
                                     type=error.type or "server_error")
                         observe.stream_failed(error.code or error.type)
-                        yield error.to_json()
+                        yield None, error.to_json()
                         continue
+                    if worker_api.REPORT_KEY in chunk:
+                        data = None  # the worker's report leaves the chunk: re-encoded
                     self._count(chunk)
-                    if "model" in chunk:
+                    model = chunk.get("model")
+                    if model is not None and model != self.model:
                         chunk["model"] = self.model
+                        data = _swap_model(data, model, self.model) if data is not None else None
                     if not self.include_usage:
                         if chunk.get("usage") is not None and not chunk.get("choices"):
                             continue  # the usage chunk the gateway asked for, not the client
-                        chunk.pop("usage", None)
-                    yield chunk
+                        if "usage" in chunk:  # null in every chunk, as the gateway asked for usage
+                            del chunk["usage"]
+                            data = _drop_null_usage(data) if data is not None else None
+                    observe.relay_work(time.thread_time() - cpu)
+                    yield data, chunk
             except StreamBroken as broken:
                 if not (broken.ended and ledger.error):  # a stream that reported its error may end so
                     log.warning("%s: the inference worker failed mid-stream (%s) (%s)", self.request_id, broken,
@@ -284,7 +339,7 @@ class Completion:
                     error_chunk = error.to_json()
                     observe.stream_failed("worker_failed")
             if error_chunk is not None:
-                yield error_chunk
+                yield None, error_chunk
         except (asyncio.CancelledError, GeneratorExit):
             ledger.client_disconnected = True
             raise

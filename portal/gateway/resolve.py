@@ -7,14 +7,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from portal.adapters.models import AdapterVersion
-from portal.adapters.selectors import adapter_list_servable
-from portal.adapters.traffic import deployment_resolve
+from portal.adapters.models import AdapterVersion, Deployment
+from portal.adapters.selectors import MODEL_ID, adapter_list_servable
+from portal.adapters.traffic import pick_version as deployment_pick
 from portal.core.db import db_sync_to_async
 from portal.fleet.client import async_worker_client
 from portal.fleet.selectors import base_model_first_seen, base_model_name, route_candidates
+from portal.gateway import cache
 from portal.gateway.auth import Caller, model_allowed
 from portal.gateway.errors import model_not_found
+from portal.tenants.models import Tenant
 
 BASE_NAME_TTL = 10.0  # seconds a base name learnt from a worker's /v1/models is trusted
 
@@ -34,13 +36,15 @@ _base_first_seen: dict[str, int] = {}
 
 
 def base_model_forget() -> None:
-    """Drop the base name learnt from a worker (the fleet changed under a test, say)."""
+    """Drop the base name learnt from a worker, and every cached row (the fleet changed under a
+    test, say)."""
     _base_cache.clear()
+    cache.forget_all()
 
 
 async def base_model() -> str | None:
     """The fleet's base model name: from the polled workers, else asked of a worker directly."""
-    name = await db_sync_to_async(base_model_name)()
+    name = await cache.fleet_cached("base_model_name", db_sync_to_async(base_model_name))
     if name:
         _base_first_seen.setdefault(name, int(time.time()))
         return name
@@ -68,14 +72,49 @@ def _base_created(base: str) -> int:
     return _base_first_seen.setdefault(base, int(time.time()))
 
 
+def _adapter_choices(tenant: Tenant, model: str) -> tuple[list[AdapterVersion], dict | None]:
+    """The ready versions `model` may resolve to (`@vN`: that one) and the deployment's weights:
+    what portal.adapters.traffic.deployment_resolve reads, in its one query."""
+    m = MODEL_ID.match(model)
+    if m is None or m["tenant"] != tenant.slug:
+        return [], None
+    ready = AdapterVersion.objects.select_related("adapter__tenant", "adapter__deployment").filter(
+        adapter__tenant=tenant, adapter__name=m["name"], status=AdapterVersion.Status.READY, retired_at__isnull=True)
+    if m["number"]:
+        ready = ready.filter(number=int(m["number"]))
+    ready = list(ready)
+    try:
+        weights = ready[0].adapter.deployment.weights if ready else None
+    except Deployment.DoesNotExist:
+        weights = None
+    return ready, weights
+
+
+async def _adapter_version(caller: Caller, model: str, request_id: str) -> AdapterVersion | None:
+    """deployment_resolve's answer, its rows cached (portal.gateway.cache) and the traffic split
+    still picked per request id."""
+    generation = await cache.generation()
+    key = (caller.tenant.pk, caller.tenant.slug, model)
+    choices = cache.ADAPTER_MODELS.get(key, generation)
+    if choices is cache.MISSING:
+        choices = await db_sync_to_async(_adapter_choices)(caller.tenant, model)
+        cache.ADAPTER_MODELS.put(key, choices, generation)
+    ready, weights = choices
+    if not ready:
+        return None
+    if MODEL_ID.match(model)["number"]:
+        return ready[0]
+    return deployment_pick(ready, weights, request_id)
+
+
 async def model_resolve(*, caller: Caller, model: str, request_id: str = "") -> ModelTarget:
     """The base model or one of the caller's tenant's ready adapter versions; 404 otherwise.
     A deployment's traffic split is picked deterministically from the request id."""
     if "/" in model:
-        resolved = await db_sync_to_async(deployment_resolve)(tenant=caller.tenant, model=model, request_id=request_id)
-        if resolved is None or not model_allowed(caller, resolved.public_id):
+        version = await _adapter_version(caller, model, request_id)
+        if version is None or not model_allowed(caller, model):
             raise model_not_found(model)
-        return ModelTarget(resolved.public_id, resolved.version.worker_name, resolved.version)
+        return ModelTarget(model, version.worker_name, version)
     base = await base_model()
     if base is not None and model == base and model_allowed(caller, model):
         return ModelTarget(model, model, None)

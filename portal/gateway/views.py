@@ -66,13 +66,13 @@ def _body(request: HttpRequest) -> dict:
 
 
 async def _sse(completion: services.Completion) -> AsyncIterator[bytes]:
-    chunks = completion.chunks()
+    events = completion.sse()
     try:
-        async for chunk in chunks:
-            yield f"data: {_dumps(chunk)}\n\n".encode()
+        async for event in events:
+            yield event
         yield DONE
     finally:
-        await chunks.aclose()  # runs the ledger at once, whoever stops the iteration
+        await events.aclose()  # runs the ledger at once, whoever stops the iteration
         await completion.aclose()  # (a no-op once chunks() started)
 
 

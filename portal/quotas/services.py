@@ -98,16 +98,19 @@ class QuotaExceeded(Exception):
 
 
 async def quota_admit(
-    *, tenant: Tenant, api_key: ApiKey | None, request_id: str, estimated_tokens: int
+    *, tenant: Tenant, api_key: ApiKey | None, request_id: str, estimated_tokens: int,
+    scopes: tuple[ScopeSpec, ...] | None = None,
 ) -> Admission:
     """Check and take every limit of the tenant and the key at once, or raise QuotaExceeded.
 
     estimated_tokens: prompt tokens plus the most the completion may take (max_tokens);
-    quota_settle replaces it with the real count.
+    quota_settle replaces it with the real count. scopes: quota_scopes(tenant, api_key) when the
+    caller has them already (the gateway caches them); read here otherwise.
     """
     _check_request_id(request_id)
     _check_count("estimated_tokens", estimated_tokens)
-    scopes = await db_sync_to_async(quota_scopes)(tenant=tenant, api_key=api_key)
+    if scopes is None:
+        scopes = await db_sync_to_async(quota_scopes)(tenant=tenant, api_key=api_key)
     clock = Clock.now()
     plan = plan_for(tenant.plan)
     prices = (plan.prompt_price_per_million, plan.completion_price_per_million)
