@@ -9,8 +9,8 @@ adapter_model.safetensors with tensors named
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`
 (A [r, in_features], B [out_features, r], HF's unfused q/k/v and gate/up projections).
 Every rule (protocol.adapter_format, through `validation`) runs before the adapter exists, and
-each value is checked as it is read, so a caller that receives one may evict/insert it into
-caches; a bad one raises AdapterError and nothing else happens.
+every value is checked once read (one pass over the file's buffer), so a caller that receives
+one may evict/insert it into caches; a bad one raises AdapterError and nothing else happens.
 
 The id is the sha256 of the config and of every tensor's name, dtype, shape and bytes as
 stored: different weights under the same name get a new id; the same content under two names
@@ -98,7 +98,9 @@ def load_adapter(
 
     Raises AdapterError("adapter 'NAME': REASON") for anything we refuse, the first reason the
     rules give (see protocol.adapter_format); ValueError for bad arguments. Reads safetensors
-    only (never unpickles anything), each tensor once.
+    only (never unpickles anything), the file in one read; when `dtype` is the stored one the
+    returned A/B are views of that one buffer (B scaled in place), so the adapter costs its
+    file's size in memory and nothing more.
     """
     if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
         raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
@@ -111,29 +113,45 @@ def load_adapter(
     )
     settings, targets, header = check.settings, check.targets, check.header
 
+    # One read of the file into a buffer we own; the tensors are views of it (no copy each).
+    data = v.read_weights(name, directory / WEIGHTS_FILE, header)
     digest = hashlib.sha256(b"peft-lora\0")
     digest.update(json.dumps(check.config, sort_keys=True, separators=(",", ":")).encode())
-    stored: dict[str, torch.Tensor] = {}
-    with v.open_weights(name, directory / WEIGHTS_FILE) as f:
-        for key in sorted(header):
-            tensor = f.get_tensor(key)
-            info = header[key]  # what the rules judged; the file must not have changed since
-            if v.SAFETENSORS_DTYPES.get(tensor.dtype) != info.dtype or tensor.shape != info.shape:
-                raise v.AdapterError(name, f"{WEIGHTS_FILE} changed while it was being loaded")
-            v.check_finite(name, key, tensor)
-            digest.update(f"\0{key}\0{info.dtype}\0{list(info.shape)}\0".encode())
-            digest.update(tensor.contiguous().view(torch.uint8).numpy())
-            stored[key] = tensor
+    view = memoryview(data)
+    for key in sorted(header):  # the bytes as stored, before any scale is folded in
+        info = header[key]
+        digest.update(f"\0{key}\0{info.dtype}\0{list(info.shape)}\0".encode())
+        digest.update(view[info.start : info.end])
 
     weights: dict[tuple[int, str], LoRAModuleWeights] = {}
+    in_place = []  # (key, label) of B tensors scaled where they lie in `data`
     for (layer, module), (key_a, key_b) in check.pairs.items():
         rank, alpha = targets[(layer, module)]
         scale = settings.scale(rank, alpha)
-        a = stored[key_a].to(dtype).contiguous()  # [r, in]
-        b = (stored[key_b].double() * scale).to(dtype).contiguous()  # [out, r], scale folded in
-        v.check_finite(name, f"{key_b} (scaled by {scale:g}, as {dtype})", b)
-        v.check_finite(name, f"{key_a} (as {dtype})", a)
+        a = v.tensor_view(data, header[key_a])  # [r, in] as stored
+        b = v.tensor_view(data, header[key_b])  # [out, r] as stored
+        b_label = f"{key_b} (scaled by {scale:g}, as {dtype})"
+        # Scale folded into B in the compute dtype's own arithmetic (fp32 for bf16/fp16), in
+        # place in the buffer when the dtype is kept, so B costs no second copy.
+        if b.dtype == dtype:
+            if scale != 1.0:
+                b.mul_(scale)
+            in_place.append((key_b, b_label))
+        else:
+            v.check_finite(name, key_b, b)
+            b = (b.float() * scale).to(dtype)
+            v.check_finite(name, b_label, b)
+        if a.dtype != dtype:
+            v.check_finite(name, key_a, a)
+            a = a.to(dtype)
+            v.check_finite(name, f"{key_a} (as {dtype})", a)
         weights[(layer, module)] = LoRAModuleWeights(a=a, b=b, scale=scale)
+    # What is left in `data` (A and B as stored, those B scaled): all finite in one pass, or
+    # the reason named as the rules name it, read again from the file as stored.
+    if not v.all_finite(data, header):
+        v.check_all_finite(name, v.read_weights(name, directory / WEIGHTS_FILE, header), header)
+        for key_b, label in in_place:
+            v.check_finite(name, label, v.tensor_view(data, header[key_b]))
 
     # accepted with a note (an unverifiable base name): logged and kept, named like an error
     warning = f"adapter {name!r}: {check.warnings[0]}" if check.warnings else None

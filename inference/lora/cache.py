@@ -132,8 +132,10 @@ class AdapterCache:
             return Tier.FAILED if entry.error else Tier.DISK
 
     # -- host tier: load in the background ----------------------------------------
-    def prefetch(self, adapter_id: str) -> Future:
-        """Make sure the adapter is (or is being) loaded into the host tier; returns the load's future."""
+    def prefetch(self, adapter_id: str, *, count_miss: bool = False) -> Future:
+        """Make sure the adapter is (or is being) loaded into the host tier; returns the load's
+        future. count_miss: a request is waiting for it (an early prefetch as it is queued), so a
+        load started here is that request's miss (`acquire` then finds it loading or loaded)."""
         with self._lock:
             entry = self.entries[adapter_id]
             if adapter_id in self.host:
@@ -144,6 +146,7 @@ class AdapterCache:
             # load stays failed (its error is on the entry) until the adapter is removed.
             if entry.future is None or (entry.future.done() and entry.error is None):
                 entry.future = self._executor.submit(self._load_into_host, entry)
+                self.stats.misses += count_miss
             return entry.future
 
     def load_new(self, source: Any) -> Future:

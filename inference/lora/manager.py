@@ -84,6 +84,7 @@ class AdapterRecord:
     error: str | None = None
     users: int = 0  # requests bound to it and not finished
     retired: bool = False  # replaced or removed: serves the requests already bound, then goes
+    bound_tier: str | None = None  # where the latest bind found the adapter (arrival_tier)
 
     @property
     def ready(self) -> bool:
@@ -102,19 +103,22 @@ class AdapterManager:
         strict_base_match: bool,
         dtype: torch.dtype,
         device: torch.device,
+        slot_dtype: torch.dtype | None = None,
     ) -> None:
+        """dtype: adapters' weights in host memory; slot_dtype: the device slots' (the matmul
+        plan's LoRA compute dtype; default dtype)."""
         self.base_config = base_config
         self.max_lora_rank = max_lora_rank
         self.strict_base_match = strict_base_match
         self.dtype = dtype
         self.device = device
-        self.slots = LoRASlots(model, max_loras, max_lora_rank, dtype, device)
+        self.slots = LoRASlots(model, max_loras, max_lora_rank, slot_dtype or dtype, device)
         self.cache = AdapterCache(
             max_loras=max_loras,
             max_cpu_loras=max_cpu_loras,
             load=self._load,
-            on_activate=self.slots.activate,
-            on_deactivate=self.slots.deactivate,
+            on_activate=self._activate,
+            on_deactivate=self._deactivate,
             executor=ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load"),
         )
         self._lock = threading.RLock()
@@ -122,6 +126,28 @@ class AdapterManager:
         self._pending: dict[str, AdapterRecord] = {}  # name -> a newer version still loading
         self._retired: list[AdapterRecord] = []
         self._on_step_thread: deque[Callable[[], None]] = deque()
+        # On a CPU the host tier shares memory with the slots (slots.share): slot -> the
+        # adapter whose tensors are views of it. On CUDA the pinned host copy is the point.
+        self._share_slots = device.type == "cpu"
+        self._shared: dict[int, LoRAAdapter] = {}
+
+    # -- slot contents (the cache's callbacks, under its lock, on the step thread) -------
+    def _activate(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.slots.activate(slot, adapter)
+        if self._share_slots:  # at the next begin_step: not on this request's first token
+            self._on_step_thread.append(lambda: self._share(slot, adapter))
+
+    def _share(self, slot: int, adapter: LoRAAdapter) -> None:
+        with self.cache._lock:  # the slot may have changed hands since it was filled
+            if self.cache.slots[slot] == adapter.id and slot not in self._shared:
+                self.slots.share(slot, adapter)
+                self._shared[slot] = adapter
+
+    def _deactivate(self, slot: int) -> None:
+        adapter = self._shared.pop(slot, None)
+        if adapter is not None:  # its rows are about to be zeroed: the host tier keeps a copy
+            self.slots.unshare(slot, adapter)
+        self.slots.deactivate(slot)
 
     # -- loading -------------------------------------------------------------------------
     def _load(self, source: tuple[Path, str]) -> LoRAAdapter:
@@ -221,17 +247,37 @@ class AdapterManager:
                 )  # fmt: skip
                 if record is None:
                     record, _ = self._start_load(lora.name, path, pin=False)
+                    record.bound_tier = str(Tier.DISK)  # even if its load finishes at once
+                    record.users += 1
+                    return record
             else:
                 record = self._current.get(lora) or self._pending.get(lora)
                 if record is None:
                     raise AdapterNotFoundError(lora)
+            record.bound_tier = self._tier_now(record)
             record.users += 1
             return record
 
+    def prefetch(self, record: AdapterRecord) -> None:
+        """S-LoRA's early prefetch, for a request just bound to `record` (after its arrival_tier
+        was noted): an adapter that left host memory starts reloading now, not when the scheduler
+        first tries to admit the request (behind a long queue, much later). A failed reload is
+        the request's error through `load_error`, as a reload started by `acquire` would be."""
+        if record.ready:
+            try:
+                if self.cache.tier(record.id) is Tier.DISK:
+                    self.cache.prefetch(record.id, count_miss=True)
+            except KeyError:  # removed from the cache meanwhile (retired): nothing to load
+                pass
+
     def arrival_tier(self, record: AdapterRecord) -> str:
-        """Where a request bound to `record` just now finds its adapter: "device" (in a slot),
-        "host" (in host memory: copied into a slot for it) or "disk" (still to be read: loading,
-        evicted from host memory, failed, or already removed)."""
+        """Where the request just bound to `record` (the latest `bind`) found its adapter:
+        "device" (in a slot), "host" (in host memory: copied into a slot for it) or "disk" (still
+        to be read: loading, evicted from host memory, failed, or already removed). Noted by
+        `bind` itself: a load it started may finish before this is asked."""
+        return record.bound_tier or self._tier_now(record)
+
+    def _tier_now(self, record: AdapterRecord) -> str:
         if not record.ready:
             return str(Tier.DISK)
         try:
@@ -348,7 +394,10 @@ class AdapterManager:
         return self.cache.stats_snapshot()
 
     def memory(self) -> dict[str, int]:
-        return {"adapter_slots": self.slots.nbytes, "host_adapters": self.cache.host_bytes}
+        """Bytes of the slot stacks, and of host-tier adapters beyond them (a CPU slot's adapter
+        is counted once, in the slots: its host entry is views of them)."""
+        shared = sum(a.nbytes for a in list(self._shared.values()))
+        return {"adapter_slots": self.slots.nbytes, "host_adapters": max(0, self.cache.host_bytes - shared)}
 
     def shutdown(self) -> None:
         self.cache.shutdown()

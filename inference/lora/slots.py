@@ -13,6 +13,11 @@ own rank; whatever it does not adapt (a projection, a layer) stays zero, which i
 "no delta" — and the kernels may read up to max_rank, so the zero padding matters.
 `ranks[k]` is the adapter's rank (0: empty slot).
 
+On a CPU the host tier's copy of a resident adapter is redundant (host and "device" are the
+same memory): `share` frees the adapter's own A/B memory (its tensors become views of its slot
+rows), `unshare` copies the rows back out before the slot is cleared or reused. Read through
+`slot_weights`, the one place that knows where an adapter's rows lie in the stacks.
+
 Each step, `batch_metadata(token_slots)` groups the step's tokens by slot once; the model
 runner passes the result down the model's forward to every projection.
 """
@@ -48,6 +53,12 @@ class LoRASlots:
         ]
         for _, projection in self.projections:
             projection.create_slots(max_loras, max_rank, dtype, device)
+        # (layer, PEFT module) -> (projection, slice index) holding that module's rows
+        self._where: dict[tuple[int, str], tuple[LoRALinear, int]] = {
+            (layer_idx, name): (projection, i)
+            for layer_idx, projection in self.projections
+            for i, name in enumerate(projection.slice_names)
+        }
 
     # -- slot contents (the adapter cache's on_activate / on_deactivate) -------------------
     def activate(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -64,6 +75,37 @@ class LoRASlots:
         self.ranks[slot] = 0
         for _, projection in self.projections:
             projection.clear_slot(slot)
+
+    # -- the host tier sharing slot memory (CPU) ----------------------------------------------
+    def slot_weights(self, slot: int, key: tuple[int, str], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of module `key` = (layer, PEFT module)'s rows in `slot`, at `rank`:
+        (A [rank, in_features], B [n_s, rank]), in the stacks' dtype."""
+        projection, i = self._where[key]
+        return projection.lora_a[i][slot, :rank], projection.lora_b[i][slot, :, :rank]
+
+    def share(self, slot: int, adapter: LoRAAdapter) -> None:
+        """After `activate(slot, adapter)`: free the adapter's own A/B memory, in place (every
+        holder of the adapter object sees it). Stacks in the adapter's dtype: its tensors become
+        views of its slot rows (same values). Stacks in another dtype (fp32 compute for a bf16
+        adapter): they become one-element placeholders of their shape, not to be read until
+        `unshare`; nothing reads a resident adapter's host tensors (the slot is what runs)."""
+        for key, w in adapter.weights.items():
+            a, b = self.slot_weights(slot, key, w.rank)
+            if a.dtype == w.a.dtype and b.dtype == w.b.dtype:
+                w.a.set_(a)  # [r, in]
+                w.b.set_(b)  # [out, r], strided (the stack is max_rank wide)
+            else:
+                w.a.set_(w.a.new_zeros(1).expand(w.a.shape))
+                w.b.set_(w.b.new_zeros(1).expand(w.b.shape))
+
+    def unshare(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Before `slot` is cleared or reused: give a shared adapter's A/B memory of their own
+        again, the slot rows copied out in the adapter's dtype (exact: they were converted from
+        it), so the host tier still holds it."""
+        for key, w in adapter.weights.items():
+            a, b = self.slot_weights(slot, key, w.rank)
+            w.a.set_(a.to(w.a.dtype, memory_format=torch.contiguous_format, copy=True))
+            w.b.set_(b.to(w.b.dtype, memory_format=torch.contiguous_format, copy=True))
 
     # -- per step ----------------------------------------------------------------------------
     def batch_metadata(self, token_slots: torch.Tensor) -> LoRABatchMetadata | None:

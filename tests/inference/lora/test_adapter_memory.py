@@ -1,0 +1,176 @@
+"""Where a loaded adapter's memory lives and when it is (re)read, as a user of the engine sees it:
+on a CPU an adapter in a device slot is held once (the slot), and gets its own host copy back
+when it leaves the slot; a request for an adapter evicted from host memory starts its reload as
+it is queued; a reload that fails (the file went bad, or now holds other weights) finishes the
+request with an error instead of leaving it waiting; a weights file that changes between the
+checks and the read is refused. One device slot, a tiny fp32 checkpoint, PEFT-written adapters."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.config import EngineConfig
+from inference.engine.llm_engine import LLMEngine
+from inference.engine.sampling_params import SamplingParams
+from inference.lora import adapter as adapter_module
+from inference.lora.adapter import load_adapter
+from inference.lora.errors import AdapterError
+from inference.lora.slots import LoRASlots
+from inference.models.config import LlamaConfig
+from inference.models.llama import LlamaForCausalLM
+from protocol.adapter_format import WEIGHTS_FILE
+from tests.inference.lora.peft_adapters import tiny_config, write_peft_adapter
+from tests.inference.lora.test_engine_adapters import BASE_DIR, truncate, write_word_tokenizer
+from tests.inference.models.tiny_llama import write_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = [5, 17, 3, 99, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("adapter_memory")
+    hf = write_tiny_checkpoint(root / BASE_DIR)
+    write_word_tokenizer(root / BASE_DIR, hf.config.vocab_size)
+    for i, name in enumerate(("a", "b", "c")):
+        write_peft_adapter(root / name, seed=50 + i, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
+    return root
+
+
+def one_slot_engine(root: Path, max_cpu_loras: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(root / BASE_DIR), dtype="float32", max_loras=1,
+                                  max_cpu_loras=max_cpu_loras, max_lora_rank=8, kv_cache_memory="4MiB",
+                                  max_num_seqs=4), progress=False)  # fmt: skip
+
+
+@pytest.fixture
+def engine(root: Path):
+    """One device slot and room for one adapter in host memory: a second adapter's load
+    evicts the first from host memory once the first has left its slot."""
+    engine = one_slot_engine(root, max_cpu_loras=1)
+    yield engine
+    engine.shutdown()
+
+
+def run(engine: LLMEngine, lora=None):
+    request_id = engine.add_request(PROMPT, GREEDY, lora=lora)
+    return engine.run_until_done([request_id])[request_id]
+
+
+def evict_from_host_memory(engine: LLMEngine, root: Path) -> None:
+    """a (the last adapter run) leaves its slot for b, then host memory for c (room for one)."""
+    engine.add_adapter("b", root / "b")
+    run(engine, "b")
+    engine.add_adapter("c", root / "c")
+
+
+def tier(engine: LLMEngine, name: str) -> str:
+    return next(i.tier for i in engine.list_adapters() if i.name == name)
+
+
+def test_a_resident_adapter_is_held_once_and_gets_its_host_copy_back_when_it_leaves_its_slot(
+    root: Path,
+) -> None:
+    engine = one_slot_engine(root, max_cpu_loras=2)
+    try:
+        held_once_then_copied_back(engine, root)
+    finally:
+        engine.shutdown()
+
+
+def held_once_then_copied_back(engine: LLMEngine, root: Path) -> None:
+    info = engine.add_adapter("a", root / "a")
+    assert engine.memory_stats()["host_adapters"] == info.nbytes  # in host memory only
+    first = run(engine, "a").token_ids
+    assert tier(engine, "a") == "device"
+    assert engine.memory_stats()["host_adapters"] == 0  # the slot is its only copy
+    engine.add_adapter("b", root / "b")
+    b_tokens = run(engine, "b").token_ids  # takes the one slot: a leaves it for host memory
+    assert (tier(engine, "a"), tier(engine, "b")) == ("host", "device")
+    assert engine.memory_stats()["host_adapters"] == info.nbytes  # a's own copy again, b shared
+    # a's values survived leaving the slot that b overwrote; b's are b's.
+    assert run(engine, "a").token_ids == first
+    assert run(engine, "b").token_ids == b_tokens != first
+
+
+def test_a_request_for_an_adapter_evicted_from_host_memory_starts_its_reload_when_queued(
+    engine: LLMEngine, root: Path
+) -> None:
+    engine.add_adapter("a", root / "a")
+    expected = run(engine, "a").token_ids
+    evict_from_host_memory(engine, root)
+    assert tier(engine, "a") == "disk"
+    request_id = engine.add_request(PROMPT, GREEDY, lora="a")
+    assert tier(engine, "a") in ("loading", "host")  # before any engine step
+    out = engine.run_until_done([request_id])[request_id]
+    assert out.adapter_tier == "disk" and out.token_ids == expected
+
+
+@pytest.mark.parametrize("spoil", ["truncated", "other_weights"])
+def test_a_reload_that_fails_finishes_the_request_with_an_error(
+    engine: LLMEngine, root: Path, tmp_path: Path, spoil: str
+) -> None:
+    path = tmp_path / "a"
+    shutil.copytree(root / "a", path)
+    engine.add_adapter("a", path)
+    run(engine, "a")
+    evict_from_host_memory(engine, root)
+    if spoil == "truncated":
+        truncate(path)
+    else:  # valid weights, but not the ones this name was added with: its id no longer matches
+        shutil.copy(root / "c" / WEIGHTS_FILE, path / WEIGHTS_FILE)
+    out = run(engine, "a")  # returns: the request does not wait for an adapter that cannot load
+    assert out.finish_reason == "error" and out.token_ids == []
+    assert ("corrupt or truncated" if spoil == "truncated" else "expected") in out.error
+    assert run(engine, "b").finish_reason == "length"  # the others keep serving
+
+
+def test_a_weights_file_that_changes_after_the_checks_is_refused(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "a"
+    shutil.copytree(root / "a", path)
+    checked = adapter_module.v.check_adapter
+
+    def check_then_swap(name: str, directory: Path, config: LlamaConfig, **kwargs):
+        check = checked(name, directory, config, **kwargs)
+        write_peft_adapter(tmp_path / "r2", seed=1, r=2, lora_alpha=8, target_modules=["q_proj"])
+        shutil.copy(tmp_path / "r2" / WEIGHTS_FILE, directory / WEIGHTS_FILE)  # another layout
+        return check
+
+    monkeypatch.setattr(adapter_module.v, "check_adapter", check_then_swap)
+    with pytest.raises(AdapterError, match="changed while it was being loaded"):
+        load_adapter(path, "a", tiny_config(), max_lora_rank=8)
+
+
+@pytest.mark.parametrize(
+    ("adapter_dtype", "stack_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+    ids=["fp32", "bf16", "bf16-in-fp32-stacks"],
+)
+def test_slot_sharing_frees_the_host_copy_and_gives_back_the_same_values(
+    root: Path, adapter_dtype: torch.dtype, stack_dtype: torch.dtype
+) -> None:
+    config = tiny_config()
+    slots = LoRASlots(LlamaForCausalLM(config), max_loras=2, max_rank=8, dtype=stack_dtype, device=torch.device("cpu"))
+    adapter = load_adapter(root / "a", "a", config, max_lora_rank=8, dtype=adapter_dtype)
+    original = {key: (w.a.clone(), w.b.clone()) for key, w in adapter.weights.items()}
+    slots.activate(1, adapter)
+    slots.share(1, adapter)
+    # No memory of its own left: views of the stacks, or one-element placeholders.
+    stacks = {p.lora_a[i].untyped_storage().data_ptr() for _, p in slots.projections for i in range(len(p.lora_a))}
+    stacks |= {p.lora_b[i].untyped_storage().data_ptr() for _, p in slots.projections for i in range(len(p.lora_b))}
+    for w in adapter.weights.values():
+        for t in (w.a, w.b):
+            assert t.untyped_storage().data_ptr() in stacks or t.untyped_storage().nbytes() == t.element_size()
+    slots.unshare(1, adapter)
+    slots.deactivate(1)  # zeroes the slot: the adapter must not see it
+    slots.activate(1, load_adapter(root / "b", "b", config, max_lora_rank=8, dtype=adapter_dtype))
+    for key, w in adapter.weights.items():
+        assert w.a.dtype == adapter_dtype and torch.equal(w.a, original[key][0])
+        assert torch.equal(w.b, original[key][1])
