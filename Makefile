@@ -14,7 +14,7 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # pytest's own); tests/xdist_isolation.py gives each its own test database and Redis database.
 TEST_PROCESSES ?= 2
 
-.PHONY: run test lint model install install-dev clean
+.PHONY: run test lint model install install-dev clean bench-peers
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)" >&2; exit 1; }
@@ -52,6 +52,18 @@ test: $(VENV)/.installed-dev
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+
+# The peers that bench/ measures beside the engine and that `make install` does not bring:
+# llama.cpp through llama-cpp-python for bench/single_stream.py. It builds from source (about
+# 7 minutes on 2 cores). A native build (-march=native) dies with "Illegal instruction" at the
+# first token on CPUs that advertise AMX, so it is built for AVX2/FMA/F16C, which every x86-64
+# CPU the project meets runs.
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
+
+bench-peers: $(VENV)/.installed
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PIP) install --no-cache-dir "$(LLAMA_CPP_PYTHON)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help=flag_help("a stop string (repeatable)", default="none"))
     gen.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
                      help=engine_flag_help("weights and activations", "dtype"))
+    gen.add_argument("--weights-dtype", choices=["auto", "int8", "int4"],
+                     help=engine_flag_help("auto: dense weights in --dtype; int8 / int4: weight-only quantised "
+                                           "projections (CPU)", "weights_dtype"))
     gen.add_argument("--device", help=engine_flag_help("cpu or cuda[:N]", "device"))
     add_serve_parser(sub)
     return parser
@@ -78,7 +81,8 @@ def generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    llm = LLM(args.model, progress=True, dtype=args.dtype, device=args.device, max_lora_rank=args.max_lora_rank)
+    llm = LLM(args.model, progress=True, dtype=args.dtype, weights_dtype=args.weights_dtype, device=args.device,
+              max_lora_rank=args.max_lora_rank)
     if lora is not None:  # validated and loaded now, so a bad adapter is one clear line (exit 2)
         llm.add_adapter(*lora)
     messages = None

@@ -124,8 +124,11 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, meta, scale, g: int) -> tor
     qd = qd.reshape(n, Hkv, Hq // Hkv, D)
     kd = _gather(k_cache, group.block_tables, meta, ("decode_k", g)).view(n, B * bs, Hkv, D)
     vd = _gather(v_cache, group.block_tables, meta, ("decode_v", g)).view(n, B * bs, Hkv, D)
+    mask = group.mask
+    if group.same_len is not None:  # no padding to hide: the exact context, no mask
+        kd, vd, mask = kd[:, : group.same_len], vd[:, : group.same_len], None
     o = F.scaled_dot_product_attention(
-        qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.mask, scale=scale
+        qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale
     )  # [n, Hkv, Hq/Hkv, D]
     return o.reshape(n, Hq, D)
 

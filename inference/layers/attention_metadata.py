@@ -26,6 +26,9 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [n, max_blocks] long, padded with block 0 (masked out)
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = attend
     rows_slice: slice | None  # the same rows as a slice when they are consecutive (cheaper)
+    # Every sequence of the group has this context length (a single stream always): attend
+    # exactly those rows, no mask (SDPA without a mask is 2-3x faster at batch 1). None: mixed.
+    same_len: int | None = None
 
 
 @dataclass
@@ -165,7 +168,8 @@ def _split_by_length(ids: list[int], seq_lens: list[int], block_size: int) -> li
 def _decode_group(ids, seq_lens, loc, table, lens, block_size, device) -> DecodeGroup:
     idx = torch.tensor(ids, dtype=torch.long)
     rows = loc[:-1][idx]  # [n]
-    n_blocks = -(-max(seq_lens[i] for i in ids) // block_size)
+    longest = max(seq_lens[i] for i in ids)
+    n_blocks = -(-longest // block_size)
     ctx = n_blocks * block_size
     mask = torch.arange(ctx) < lens[idx, None]  # [n, ctx]
     first = int(rows[0])
@@ -175,6 +179,7 @@ def _decode_group(ids, seq_lens, loc, table, lens, block_size, device) -> Decode
         block_tables=table[idx, :n_blocks].contiguous().to(device),
         mask=mask[:, None, None, :].to(device),
         rows_slice=slice(first, first + len(ids)) if consecutive else None,
+        same_len=longest if all(seq_lens[i] == longest for i in ids) else None,
     )
 
 

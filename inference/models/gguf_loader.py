@@ -34,6 +34,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from inference.models.config import LlamaConfig
+from inference.models.gguf_quants import INT4_TYPES, int4_groups
 from inference.models.weights import SourceNames, load_plan
 
 GGUF_NAMES = SourceNames(
@@ -133,6 +134,24 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path}: tensor {name!r}: {e}") from e
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+    def read_int4_groups(self, ours: str) -> tuple[torch.Tensor, ...] | None:
+        """Our weight `ours` as int4 groups taken from the file's Q4_0/Q4_1 blocks as they are:
+        (q [out, in] uint8 0..15, scale [out, in/32] f32, zero [out, in/32] f32), fused and
+        Q/K-unpermuted like `load_state_dict`; None unless every source tensor is 4-bit."""
+        sources = [self.tensors[s] for s in self.plan[ours]]
+        if not all(t.tensor_type in INT4_TYPES for t in sources):
+            return None
+        heads = {"attn_q": self.config.num_attention_heads, "attn_k": self.config.num_key_value_heads}
+        parts = []
+        for t in sources:
+            cols, rows = (int(n) for n in t.shape.tolist())  # GGUF lists dims innermost first
+            groups = int4_groups(t.data, t.tensor_type, rows, cols)
+            role = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+            if role in heads:  # rows move whole: a row's groups go with it
+                groups = tuple(unpermute_qk(g, heads[role]) for g in groups)
+            parts.append(groups)
+        return tuple(torch.cat(column, dim=0) for column in zip(*parts, strict=True))
 
     def load_state_dict(
         self, dtype: torch.dtype, on_tensor: Callable[[str], None] = lambda name: None

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from inference.models.gguf_loader import GGUFCheckpoint
 from inference.models.hf_loader import HFCheckpoint
 from inference.models.llama import LlamaForCausalLM
+from inference.models.quantize import quantize_model
 
 GGUF_MAGIC = b"GGUF"
 
@@ -42,7 +43,10 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    weights_dtype: str = "auto",
 ) -> LlamaForCausalLM:
+    """weights_dtype: "auto" (dense, in `dtype`), "int8" or "int4" (weight-only quantised
+    projections, CPU only; inference/models/quantize.py)."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
     with torch.device("meta"):
@@ -75,4 +79,5 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.reset_cache(device)
     model.requires_grad_(False)
+    quantize_model(model, checkpoint, weights_dtype)
     return model.eval()
