@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenizers.decoders import DecodeStream  # noqa: E402
 
-from bench.prefix_cache import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from inference.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from inference.models.fetch import default_model_path  # noqa: E402
 from inference.models.tokenizer import Tokenizer, load_tokenizer  # noqa: E402

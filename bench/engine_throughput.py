@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import machine_line, matmul_ceilings, plan_line  # noqa: E402
 from inference.config import EngineConfig  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
-from inference.layers.linear import linear  # noqa: E402
 from inference.models.fetch import default_model_path  # noqa: E402
 
 WORDS = (
@@ -108,29 +108,6 @@ def decode_tokens_per_s(engine: LLMEngine, batch: int, steps: int = 16) -> float
     return batch * steps / seconds
 
 
-def gflops(fn, flops: float, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return flops * reps / (time.perf_counter() - start) / 1e9
-
-
-def matmul_ceilings(hidden: int, ffn: int, rows: int = 64) -> dict[str, float]:
-    """GFLOP/s of a [rows, hidden] x [hidden, ffn] product, three ways."""
-    flops = 2 * rows * hidden * ffn
-    a32, b32 = torch.randn(rows, hidden), torch.randn(hidden, ffn)
-    a16, b16 = a32.bfloat16(), b32.bfloat16()
-    w16 = b16.t().contiguous()  # [ffn, hidden] as the model stores it
-    return {
-        "torch bf16 matmul": gflops(lambda: a16 @ b16, flops),
-        "torch fp32 matmul": gflops(lambda: a32 @ b32, flops),
-        # what the engine runs for bf16 weights on CPUs without bf16 units (see inference/layers/linear.py)
-        "engine bf16 linear": gflops(lambda: linear(a16, w16), flops),
-    }
-
-
 def matmul_flops_per_token(cfg) -> int:
     """2 x the weights every token multiplies through: q/k/v/o, gate/up/down, lm_head."""
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
@@ -153,7 +130,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=256), progress=False)
     cfg = engine.model_config
     print(f"model {engine.model_name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-          f"dtype {args.dtype}, threads {torch.get_num_threads()}")
+          f"dtype {args.dtype}\n{machine_line()}\n{plan_line(engine)}")
 
     prompts = make_prompts(engine.tokenizer, args.requests, 20, 400)
     lens = [len(p) for p in prompts]
@@ -172,18 +149,18 @@ def main() -> None:
 
     print("\n[2] decode tokens/s (steady state, 32-token contexts)")
     per_token = matmul_flops_per_token(cfg)
-    ceilings = matmul_ceilings(cfg.hidden_size, cfg.intermediate_size)
+    ceilings = matmul_ceilings(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
     for name, value in ceilings.items():
-        print(f"    {name:<20} [64,{cfg.hidden_size}]x[{cfg.hidden_size},{cfg.intermediate_size}]: "
+        print(f"    {name:<12} [64,{cfg.hidden_size}]x[{cfg.hidden_size},{cfg.intermediate_size}]: "
               f"{value:7.1f} GFLOP/s -> {value * 1e9 / per_token:7.0f} tok/s")
-    bf16_roofline = ceilings["torch bf16 matmul"] * 1e9 / per_token
-    roofline = max(ceilings.values()) * 1e9 / per_token
-    print(f"    ({per_token / 1e6:.0f} MFLOP/token; roofline = the fastest of these, {roofline:.0f} tok/s)")
+    fastest = max(ceilings, key=ceilings.get)
+    roofline = ceilings[fastest] * 1e9 / per_token
+    print(f"    ({per_token / 1e6:.0f} MFLOP/token; roofline = the fastest path measured here, {fastest}: "
+          f"{roofline:.0f} tok/s; the engine's {plan_line(engine)})")
     for batch in (1, 32, 64, 128):
         tps = decode_tokens_per_s(engine, batch)
-        print(f"    batch {batch:>3}: {tps:8.1f} tok/s  = {tps / roofline:6.1%} of roofline, "
-              f"{tps / bf16_roofline:6.1%} of the bf16-matmul roofline")
-    print("    reference: llama.cpp single-stream decode on the Q4_1 file here ~76 tok/s")
+        print(f"    batch {batch:>3}: {tps:8.1f} tok/s  = {tps / roofline:6.1%} of roofline")
+    print("    single-stream decode against llama.cpp: bench/single_stream.py")
 
     print("\n[3] time to first token, 400-token prompt")
     [long_prompt] = make_prompts(engine.tokenizer, 1, 400, 400, seed=1)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_throughput import make_prompts  # noqa: E402
 from bench.lora_adapters import adapter_nbytes, base_config, write_random_adapters  # noqa: E402
+from bench.machine import machine_line, plan_line  # noqa: E402
 from inference.config import EngineConfig  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
@@ -76,6 +77,7 @@ def main() -> None:
         for name, path in zip(names, paths, strict=True):
             engine.add_adapter(name, path)
         routes = [names[i % len(names)] for i in range(len(prompts))]
+        print(f"{machine_line()}\n{plan_line(engine)}")
         print(
             f"model {engine.model_name}, {args.dtype}; {len(prompts)} requests, prompts {min(lens)}-{max(lens)} "
             f"tokens (mean {statistics.mean(lens):.0f}), {args.max_tokens} output tokens each; "

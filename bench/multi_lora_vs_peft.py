@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_throughput import make_prompts  # noqa: E402
 from bench.lora_adapters import base_config, write_random_adapters  # noqa: E402
+from bench.machine import machine_line, plan_line  # noqa: E402
 from inference.config import EngineConfig  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
@@ -122,6 +123,7 @@ def main() -> None:
                   for i in range(len(prompts))]
         for name, path in adapters.items():
             engine.add_adapter(name, path)
+        print(f"{machine_line()}\n{plan_line(engine)}")
         print(f"model {engine.model_name}, {args.dtype}, threads {torch.get_num_threads()}; {len(prompts)} requests, "
               f"prompts {min(lens)}-{max(lens)} tokens (mean {statistics.mean(lens):.0f}), {args.max_tokens} output "
               f"tokens each; {len(names)} adapters rank {args.rank} all seven projections, "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,18 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_throughput import WORDS  # noqa: E402
 from bench.lora_adapters import base_config, median, write_random_adapters  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from inference.config import EngineConfig  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
 from inference.models.fetch import default_model_path  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown CPU"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown CPU")
 
 
 def text_of_tokens(engine: LLMEngine, n: int, seed: int) -> str:

@@ -16,7 +16,12 @@ from inference.models.fetch import default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("bfloat16", "float32", "float16")
+# auto: dense weights in `dtype` (today's path); int8 / int4: weight-only quantised projections
+# for CPU decode (inference/models/quantize.py), activations stay in `dtype`.
+WEIGHTS_DTYPES = ("auto", "int8", "int4")
 
+# inference/layers/matmul_plan.py's paths, named here so reading the config never imports torch
+MATMUL_PATH_CHOICES = ("auto", "native", "fp32-upcast", "fp32-cached")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -70,6 +75,10 @@ class EngineConfig:
     # A .gguf file or an HF checkpoint directory; default: the fetched SmolLM2 (MODELS_DIR).
     model: str = field(default_factory=lambda: str(default_model_path()))
     dtype: str = "bfloat16"  # bf16 is the CPU default: about 2x fp32 throughput
+    weights_dtype: str = "auto"  # one of WEIGHTS_DTYPES
+    # How bf16/fp16 products run on the CPU (inference/layers/matmul_plan.py): "auto" measures
+    # native vs fp32-upcast vs fp32-cached at start-up per shape class; a path name forces it.
+    matmul_path: str = "auto"
     device: str = "cpu"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -93,6 +102,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.matmul_path not in MATMUL_PATH_CHOICES:
+            raise ConfigError(
+                "matmul_path", f"expected one of {', '.join(MATMUL_PATH_CHOICES)}, got {self.matmul_path!r}"
+            )
+        if self.weights_dtype not in WEIGHTS_DTYPES:
+            raise ConfigError(
+                "weights_dtype", f"expected one of {', '.join(WEIGHTS_DTYPES)}, got {self.weights_dtype!r}"
+            )
+        if self.weights_dtype != "auto" and self.device != "cpu":
+            raise ConfigError(
+                "weights_dtype", f"{self.weights_dtype} weights run on the CPU only, not {self.device!r}"
+            )
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ConfigError("device", f"expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 16), ("block_size", 1)):
@@ -129,7 +150,7 @@ class EngineConfig:
             if var not in env or env[var] == "":
                 continue
             raw = env[var]
-            if f.name in ("model", "dtype", "device"):
+            if f.name in ("model", "dtype", "weights_dtype", "matmul_path", "device"):
                 values[f.name] = raw
             elif f.name == "kv_cache_memory":
                 values[f.name] = parse_memory(var, raw)

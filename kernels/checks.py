@@ -51,14 +51,16 @@ def check_add_lora_args(
     b_stacked: Sequence[torch.Tensor],
     meta: LoRABatchMetadata,
     slice_offsets: Sequence[int] | None,
+    fused: object = None,
 ) -> list[int]:
     """Shrink's and expand's checks, with the intermediate y implied. Returns the offsets."""
     _check_meta(meta)
-    # On the CPU, fp32 activations may meet weights in the model dtype (the bf16 base linear
-    # computes in fp32 there, and the LoRA delta joins it before the one rounding).
-    upcast = meta.device.type == "cpu" and isinstance(x, torch.Tensor) and x.dtype == torch.float32
-    num_slices, max_rank = _check_x_and_a(x, a_stacked, meta, fp32_activations=upcast)
-    b_slices, b_rank, offsets = _check_b_and_out(b_stacked, meta, out, slice_offsets, fp32_activations=upcast)
+    # On the CPU activations and weights may differ in dtype: the plan may run a bf16 model's
+    # base linear in fp32, or keep its LoRA stacks in fp32 (the delta joins out, rounded once).
+    mixed = meta.device.type == "cpu"
+    # ... and the A stacks may be views of one fused tensor (each row contiguous)
+    num_slices, max_rank = _check_x_and_a(x, a_stacked, meta, mixed_dtypes=mixed, strided_a=mixed)
+    b_slices, b_rank, offsets = _check_b_and_out(b_stacked, meta, out, slice_offsets, mixed_dtypes=mixed)
     if b_slices != num_slices:
         raise ValueError(f"b_stacked has {b_slices} slices but a_stacked has {num_slices}")
     if b_rank != max_rank:
@@ -69,11 +71,31 @@ def check_add_lora_args(
         raise ValueError(
             f"b_stacked[0] dtype {b_stacked[0].dtype} differs from a_stacked[0] dtype {a_stacked[0].dtype}"
         )
+    if fused is not None:
+        _check_fused(fused, list(a_stacked), meta)
     return offsets
 
 
+def _check_fused(fused: object, a_list: list[torch.Tensor], meta: LoRABatchMetadata) -> None:
+    """fused: a FusedA whose a_all[:, :, index[i]] is the i-th A stack (the same memory)."""
+    a_all, index = getattr(fused, "a_all", None), getattr(fused, "index", None)
+    if meta.device.type != "cpu" or not isinstance(a_all, torch.Tensor) or a_all.dim() != 4:
+        raise ValueError("fused must be a CPU FusedA(a_all [max_loras, max_rank, S, in], index)")
+    if not isinstance(index, tuple) or len(index) != len(a_list):
+        raise ValueError(f"fused.index must name the slice of each of the {len(a_list)} A stacks")
+    if not a_all.is_contiguous():
+        raise ValueError("fused.a_all must be contiguous")
+    for i, (s, a) in enumerate(zip(index, a_list, strict=True)):
+        if not (isinstance(s, int) and 0 <= s < a_all.shape[2]):
+            raise ValueError(f"fused.index[{i}] = {s!r} is not a slice of a_all")
+        view = a_all[:, :, s]
+        if (a.data_ptr(), a.shape, a.stride()) != (view.data_ptr(), view.shape, view.stride()):
+            raise ValueError(f"a_stacked[{i}] is not fused.a_all[:, :, {s}]")
+
+
 def _check_x_and_a(
-    x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoRABatchMetadata, fp32_activations: bool = False
+    x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoRABatchMetadata, mixed_dtypes: bool = False,
+    strided_a: bool = False,
 ) -> tuple[int, int]:
     _check_tensor("x", x, dims=2, device=meta.device, strided_rows=True)
     _check_dtype("x", x, ACTIVATION_DTYPES)
@@ -81,8 +103,8 @@ def _check_x_and_a(
         raise ValueError(f"x has {x.shape[0]} rows but meta has {meta.num_tokens} tokens")
     a_list = _check_slices("a_stacked", a_stacked)
     for s, a in enumerate(a_list):
-        _check_tensor(f"a_stacked[{s}]", a, dims=3, device=meta.device)
-        if a.dtype != x.dtype and not (fp32_activations and a.dtype in ACTIVATION_DTYPES):
+        _check_tensor(f"a_stacked[{s}]", a, dims=3, device=meta.device, strided_rows=strided_a)
+        if a.dtype != x.dtype and not (mixed_dtypes and a.dtype in ACTIVATION_DTYPES):
             raise ValueError(f"a_stacked[{s}] dtype {a.dtype} differs from x dtype {x.dtype}")
         if a.shape != a_list[0].shape:
             raise ValueError(
@@ -101,7 +123,7 @@ def _check_b_and_out(
     meta: LoRABatchMetadata,
     out: torch.Tensor,
     slice_offsets: Sequence[int] | None,
-    fp32_activations: bool = False,
+    mixed_dtypes: bool = False,
 ) -> tuple[int, int, list[int]]:
     _check_tensor("out", out, dims=2, device=meta.device, strided_rows=True)
     _check_dtype("out", out, ACTIVATION_DTYPES)
@@ -110,7 +132,7 @@ def _check_b_and_out(
     b_list = _check_slices("b_stacked", b_stacked)
     for s, b in enumerate(b_list):
         _check_tensor(f"b_stacked[{s}]", b, dims=3, device=meta.device)
-        if b.dtype != out.dtype and not (fp32_activations and b.dtype in ACTIVATION_DTYPES):
+        if b.dtype != out.dtype and not (mixed_dtypes and b.dtype in ACTIVATION_DTYPES):
             raise ValueError(f"b_stacked[{s}] dtype {b.dtype} differs from out dtype {out.dtype}")
     max_loras, _, max_rank = b_list[0].shape
     for s, b in enumerate(b_list):

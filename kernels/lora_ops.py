@@ -14,14 +14,17 @@ path's batched products run at the batch's largest rank and multiply them.
 
 CPU path, the fastest of the candidates bench/lora_cpu_paths.py measures (per-segment
 matmuls, gathered per-token bmm, padded stacked weights over every slot, and variants):
+- with `fused` (the A stacks of a projection's slices as one rank-major tensor, see FusedA), one
+  shrink per segment reads x once for every slice (q/k/v, gate/up) instead of once per slice;
 - segments of >= meta's padded_max_len tokens (prefill chunks) are multiplied one by one at
   the adapter's own rank, x_seg @ A[slot, :r].T @ B[slot, :, :r].T; contiguous ones read x
   and add into out through views (addmm_ in place), scattered ones gather and index_add_;
-- shorter segments (decode tokens) go together: rows padded to [slots, longest, in] and two
-  bmm's per slice, since on a CPU a small matmul costs more in call overhead than in FLOPs.
-bf16/fp16 are multiplied in float32 (torch's bf16 GEMM is several times slower than fp32 on
-CPUs without AVX512-BF16/AMX; the LoRA operands are small, so the upcast is cheap) and the
-sum is rounded to the output dtype once.
+- shorter segments (decode tokens) go together: rows padded to [slots, longest, in] and one
+  bmm per shrink and per expanded slice, since on a CPU a small matmul costs more in call
+  overhead than in FLOPs.
+The stacks' dtype is the compute dtype (the engine's matmul plan picks the model dtype or fp32
+per CPU, inference/layers/matmul_plan.py): x is converted to it once per call, and a delta in
+another dtype than out joins out with one rounding.
 
 kernels/triton_lora.py is imported on the first CUDA call only: CPU-only processes never
 import Triton (0.15 s more on top of torch, measured with python -X importtime on a 2-core box),
@@ -31,13 +34,26 @@ and the CPU tests can switch Triton to its interpreter before it is imported.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from kernels.checks import check_add_lora_args, check_expand_args, check_shrink_args
 from kernels.metadata import LoRABatchMetadata, PaddedBatch, Segment
 
-__all__ = ["add_lora", "lora_expand", "lora_shrink"]
+__all__ = ["FusedA", "add_lora", "lora_expand", "lora_shrink"]
+
+
+class FusedA(NamedTuple):
+    """The A stacks of all S slices of a projection as one CPU tensor, rank-major:
+
+        a_all [max_loras, max_rank, S, in]      slice s's stack is a_all[:, :, s]
+
+    so a slot's A at rank r, a_all[slot, :r], is one contiguous [r·S, in] matrix. `index[i]` is
+    the slice (in a_all) of the i-th stack passed to add_lora."""
+
+    a_all: torch.Tensor
+    index: tuple[int, ...]
 
 
 def add_lora(
@@ -47,15 +63,17 @@ def add_lora(
     b_stacked: Sequence[torch.Tensor],
     meta: LoRABatchMetadata,
     slice_offsets: Sequence[int] | None = None,
+    fused: FusedA | None = None,
 ) -> None:
     """out[t, off_s : off_s + n_s] += x[t] @ A_s[slot, :r].T @ B_s[slot, :, :r].T for every token
     t with an adapter (slot = meta.token_slots[t], r its rank), every slice s; rows with slot -1
     are left bit for bit. Shapes: out [T, out_features], x [T, in], a_stacked[s] [max_loras,
     max_rank, in], b_stacked[s] [max_loras, n_s, max_rank], all in one dtype (fp32/bf16/fp16);
-    on the CPU, x and out may be fp32 with bf16/fp16 weights (a bf16 model's base linear runs in
-    fp32 there: the delta joins its fp32 result before the one rounding to bf16).
-    The shrunk activations stay float32 between the two products."""
-    offsets = check_add_lora_args(out, x, a_stacked, b_stacked, meta, slice_offsets)
+    on the CPU the weights' dtype may differ from x's and out's (a bf16 model's base linear may
+    run in fp32, its LoRA stacks may be kept in fp32; the delta joins out with one rounding).
+    `fused` (CPU only): the stacks are views of one FusedA tensor; the shrink is then one product.
+    On CUDA the shrunk activations stay float32 between the two products."""
+    offsets = check_add_lora_args(out, x, a_stacked, b_stacked, meta, slice_offsets, fused)
     if not meta.has_lora:
         return
     if meta.device.type == "cuda":
@@ -66,7 +84,7 @@ def add_lora(
         triton_lora.launch_shrink(x, list(a_stacked), meta, y)
         triton_lora.launch_expand(y, list(b_stacked), meta, out, offsets)
         return
-    _add_lora_torch(out, x, list(a_stacked), list(b_stacked), meta, offsets)
+    _add_lora_torch(out, x, list(a_stacked), list(b_stacked), meta, offsets, fused)
 
 
 def lora_shrink(
@@ -111,7 +129,7 @@ def lora_expand(
     if not meta.has_lora:
         return
     covers_all = sum(b.shape[1] for b in b_stacked) == out.shape[1]
-    delta = _delta_buffer(out, meta.num_lora_tokens, covers_all)  # [n_lora, out], slot order
+    delta = _delta_buffer(out, meta.num_lora_tokens, covers_all, torch.float32)  # [n_lora, out], slot order
     for seg in meta.segments:
         d = delta[seg.start : seg.start + seg.length]  # [n, out_features]
         for s, b in enumerate(b_stacked):
@@ -129,82 +147,112 @@ def _add_lora_torch(
     b_list: list[torch.Tensor],
     meta: LoRABatchMetadata,
     offsets: list[int],
+    fused: FusedA | None,
 ) -> None:
+    # The wider of x's and the stacks' dtypes (the plan keeps them equal: then nothing converts).
+    xw = x.to(torch.promote_types(x.dtype, a_list[0].dtype))  # [T, in], converted once if at all
     covers_all = sum(b.shape[1] for b in b_list) == out.shape[1]
     for seg in meta.long_segments:
-        _add_segment(out, x, a_list, b_list, seg, offsets, covers_all)
+        _add_segment(out, xw, a_list, b_list, seg, offsets, covers_all, fused)
     if meta.padded is not None:
-        _add_padded(out, x, a_list, b_list, meta.padded, offsets, covers_all)
+        _add_padded(out, xw, a_list, b_list, meta.padded, offsets, covers_all, fused)
+
+
+def _shrink(
+    xs: torch.Tensor, a_list: list[torch.Tensor], slot: int, rank: int, fused: FusedA | None
+) -> list[torch.Tensor]:
+    """xs [n, in] -> per slice [n, r] = xs @ A_s[slot, :r].T; with `fused`, one product."""
+    if fused is None:
+        return [xs @ a[slot, :rank].to(xs.dtype).T for a in a_list]
+    num_slices = fused.a_all.shape[2]
+    a = fused.a_all[slot, :rank].reshape(rank * num_slices, -1).to(xs.dtype)  # [r·S, in], a view
+    # [n, r·S] -> [S, n, r]: each slice's y contiguous (a strided one slows the expand's GEMM)
+    y = (xs @ a.T).view(xs.shape[0], rank, num_slices).permute(2, 0, 1).contiguous()
+    return [y[s] for s in fused.index]
 
 
 def _add_segment(
     out: torch.Tensor,
-    x: torch.Tensor,
+    xw: torch.Tensor,
     a_list: list[torch.Tensor],
     b_list: list[torch.Tensor],
     seg: Segment,
     offsets: list[int],
     covers_all: bool,
+    fused: FusedA | None,
 ) -> None:
     """One adapter's tokens at its own rank; contiguous tokens (a prefill chunk) are read and
     added to in place through views, scattered ones gathered and scattered back."""
     if seg.token_range is not None:
         lo, hi = seg.token_range
-        xs, rows = x[lo:hi].float(), out[lo:hi]  # [n, in], [n, out_features]
+        xs, rows = xw[lo:hi], out[lo:hi]  # [n, in], [n, out_features]
+        # fp32 stacks under a bf16 output: accumulate the slices in an fp32 copy of the rows,
+        # in place (small fp32 GEMMs are several times cheaper than bf16 ones), round once.
+        acc = rows if rows.dtype == xw.dtype else rows.to(xw.dtype)
     else:
-        xs, rows = x.index_select(0, seg.token_ids).float(), None
-        delta = _delta_buffer(out, seg.length, covers_all)  # [n, out_features]
-    for a, b, off in zip(a_list, b_list, offsets, strict=True):
-        ys = xs @ a[seg.slot, : seg.rank].float().T  # [n, r]
-        bt = b[seg.slot, :, : seg.rank].float().T  # [r, n_s]
+        xs, rows = xw.index_select(0, seg.token_ids), None
+        delta = _delta_buffer(out, seg.length, covers_all, xw.dtype)  # [n, out_features]
+    ys = _shrink(xs, a_list, seg.slot, seg.rank, fused)
+    for y, b, off in zip(ys, b_list, offsets, strict=True):
+        bt = b[seg.slot, :, : seg.rank].to(xw.dtype).T  # [r, n_s]
         if rows is None:
-            torch.matmul(ys, bt, out=delta[:, off : off + b.shape[1]])
-        elif rows.dtype == torch.float32:
-            rows[:, off : off + b.shape[1]].addmm_(ys, bt)
+            torch.matmul(y, bt, out=delta[:, off : off + b.shape[1]])
         else:
-            rows[:, off : off + b.shape[1]].add_(ys @ bt)  # fp32 sum, rounded once
+            acc[:, off : off + b.shape[1]].addmm_(y, bt)
     if rows is None:
         _scatter_add(out, seg.token_ids, delta)
+    elif acc is not rows:
+        rows.copy_(acc)  # the one rounding
 
 
 def _add_padded(
     out: torch.Tensor,
-    x: torch.Tensor,
+    xw: torch.Tensor,
     a_list: list[torch.Tensor],
     b_list: list[torch.Tensor],
     batch: PaddedBatch,
     offsets: list[int],
     covers_all: bool,
+    fused: FusedA | None,
 ) -> None:
     """All short segments at once: their tokens padded to [G, m, in] (padding rows repeat a
-    real row; their results are dropped), two bmm's per slice at the batch's largest rank
-    (weights beyond a slot's rank are zero)."""
+    real row; their results are dropped), one bmm per shrink and per slice's expand at the
+    batch's largest rank (weights beyond a slot's rank are zero)."""
     groups, m, r = batch.slots.numel(), batch.max_len, batch.max_rank
-    x_pad = x.index_select(0, batch.pad_src).float().view(groups, m, x.shape[1])  # [G, m, in]
-    delta = _delta_buffer(out, batch.token_ids.numel(), covers_all)  # [n, out_features]
-    for a, b, off in zip(a_list, b_list, offsets, strict=True):
-        a_g = a[:, :r] if batch.all_slots else a.index_select(0, batch.slots)[:, :r]
-        b_g = b[:, :, :r] if batch.all_slots else b.index_select(0, batch.slots)[:, :, :r]
-        y = torch.bmm(x_pad, a_g.float().transpose(1, 2))  # [G, m, r]
-        d = torch.bmm(y, b_g.float().transpose(1, 2))  # [G, m, n_s]
+    x_pad = xw.index_select(0, batch.pad_src).view(groups, m, xw.shape[1])  # [G, m, in]
+    delta = _delta_buffer(out, batch.token_ids.numel(), covers_all, xw.dtype)  # [n, out_features]
+
+    def per_group(stack: torch.Tensor) -> torch.Tensor:  # [max_loras, ...] -> [G, ...]
+        return stack if batch.all_slots else stack.index_select(0, batch.slots)
+
+    if fused is None:
+        ys = [torch.bmm(x_pad, per_group(a)[:, :r].to(xw.dtype).transpose(1, 2)) for a in a_list]  # [G, m, r]
+    else:
+        num_slices = fused.a_all.shape[2]
+        a_g = per_group(fused.a_all)[:, :r].reshape(groups, r * num_slices, xw.shape[1]).to(xw.dtype)  # [G, r·S, in]
+        y = torch.bmm(x_pad, a_g.transpose(1, 2)).view(groups, m, r, num_slices)  # [G, m, r, S]
+        y = y.permute(3, 0, 1, 2).contiguous()  # [S, G, m, r]: each slice's y contiguous
+        ys = [y[s] for s in fused.index]
+    for y, b, off in zip(ys, b_list, offsets, strict=True):
+        d = torch.bmm(y, per_group(b)[:, :, :r].to(xw.dtype).transpose(1, 2))  # [G, m, n_s]
         width = b.shape[1]
-        torch.index_select(d.view(groups * m, width), 0, batch.pad_rows,
+        torch.index_select(d.reshape(groups * m, width), 0, batch.pad_rows,
                            out=delta[:, off : off + width])  # fmt: skip
     _scatter_add(out, batch.token_ids, delta)
 
 
-def _delta_buffer(out: torch.Tensor, rows: int, covers_all: bool) -> torch.Tensor:
-    # float32 [rows, out_features]; columns outside every slice must add nothing
+def _delta_buffer(out: torch.Tensor, rows: int, covers_all: bool, dtype: torch.dtype) -> torch.Tensor:
+    # [rows, out_features] in the stacks' dtype; columns outside every slice must add nothing
     make = out.new_empty if covers_all else out.new_zeros
-    return make(rows, out.shape[1], dtype=torch.float32)
+    return make(rows, out.shape[1], dtype=dtype)
 
 
 def _scatter_add(out: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor) -> None:
-    """out[ids] = out.dtype(fp32(out[ids]) + delta), rounding once."""
-    if out.dtype == torch.float32:
+    """out[ids] += delta, rounding once to out's dtype."""
+    if out.dtype == delta.dtype:
         out.index_add_(0, ids, delta)
     else:
-        out.index_copy_(0, ids, (out.index_select(0, ids).float() + delta).to(out.dtype))
+        out.index_copy_(0, ids, (out.index_select(0, ids).float() + delta.float()).to(out.dtype))
 
 
 def _on_cuda(meta: object) -> bool:

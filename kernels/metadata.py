@@ -26,6 +26,8 @@ import torch
 DEFAULT_BLOCK_M = 16  # tokens per Triton tile; tl.dot needs >= 16 rows
 # Torch path: segments shorter than this go into the padded batch (bench/lora_cpu_paths.py).
 DEFAULT_PADDED_MAX_LEN = 32
+# ... and only when at least this many short segments share the step (else each alone, in place)
+MIN_PADDED_SEGMENTS = 3
 
 
 class Segment(NamedTuple):
@@ -129,6 +131,12 @@ def build_lora_metadata(
     device = order_dev.device  # "cuda" -> "cuda:0", so device checks compare like with like
 
     segments = _segments(order, order_dev, counts, ranks.tolist())
+    short = [seg for seg in segments if seg.length < padded_max_len]
+    if len(short) < MIN_PADDED_SEGMENTS and all(seg.token_range is not None for seg in short):
+        # One or two contiguous runs (a single stream's decode token, two adapters' few tokens):
+        # multiplied in place through views, they cost fewer calls than gathering, padding and
+        # scattering them back.
+        short = []
     num_lora_tokens = sum(seg.length for seg in segments)
     sorted_token_ids, seg_table, tile_info = _device_tables(order, segments, block_m, device)
     return LoRABatchMetadata(
@@ -147,10 +155,8 @@ def build_lora_metadata(
         segment_ranks=seg_table[3],
         tile_info=tile_info,
         segments=segments,
-        long_segments=tuple(seg for seg in segments if seg.length >= padded_max_len),
-        padded=_padded_batch(
-            [seg for seg in segments if seg.length < padded_max_len], order, max_loras, device
-        ),
+        long_segments=tuple(seg for seg in segments if not any(seg is s for s in short)),
+        padded=_padded_batch(short, order, max_loras, device),
         max_rank=max((seg.rank for seg in segments), default=0),
     )
 

@@ -235,6 +235,9 @@ class BaseModelInfo:
     max_loras: int | None = None
     max_cpu_loras: int | None = None
     max_lora_rank: int | None = None
+    # How this worker's CPU runs bf16 products (inference/layers/matmul_plan.py describe()):
+    # {"source", "paths": {shape class: path}, "lora_dtype", "cpu_capability", "timings_us"}
+    matmul_plan: dict | None = None
 
     def to_json(self) -> dict:
         return {
@@ -254,6 +257,11 @@ class BaseModelInfo:
             if item is None:
                 if required:
                     return None
+                continue
+            if f.type.startswith("dict"):
+                if not isinstance(item, dict):
+                    return None
+                found[f.name] = item
                 continue
             wants_str = f.type.startswith(
                 "str"

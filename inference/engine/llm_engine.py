@@ -36,6 +36,7 @@ sequence recomputes its KV without sampling, so its matcher is never advanced tw
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import re
@@ -63,10 +64,13 @@ from inference.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inference.engine.stop_checker import StopChecker
 from inference.engine.structured_output import GrammarCache, matcher_error
 from inference.layers.attention import allocate_kv_cache
+from inference.layers.linear import apply_plan
+from inference.layers.matmul_plan import choose_plan
 from inference.lora.cache import CacheStats
 from inference.lora.manager import AdapterInfo, AdapterManager
 from inference.lora.request import LoRARequest
 from inference.models.loader import load_model
+from inference.models.quantize import packed_nbytes
 from inference.models.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -150,8 +154,16 @@ class LLMEngine:
         if not path.exists():
             hint = " (fetch the default model: python -m inference.models fetch)" if path.suffix == ".gguf" else ""
             raise FileNotFoundError(f"model: {path} does not exist{hint}")
-        self.model = load_model(path, dtype=self.dtype, device=self.device, progress=progress)
+        self.model = load_model(
+            path, dtype=self.dtype, device=self.device, progress=progress,
+            weights_dtype=config.weights_dtype,
+        )  # fmt: skip
         self.model_config = self.model.config
+        # bf16 products on this CPU: native or fp32, measured per shape class (matmul_plan.py)
+        self.matmul_plan = choose_plan(self.model, self.dtype, self.device, config.matmul_path,
+                                       max_rows=config.max_num_batched_tokens)  # fmt: skip
+        apply_plan(self.model, self.matmul_plan)
+        log.info("matmul plan: %s", json.dumps(self.matmul_plan.describe()))
         self.tokenizer: Tokenizer = load_tokenizer(path)
         self.model_name = served_model_name(path)
         self.max_model_len = min(
@@ -180,6 +192,7 @@ class LLMEngine:
                 strict_base_match=config.strict_base_match,
                 dtype=self.dtype,
                 device=self.device,
+                slot_dtype=self.matmul_plan.lora_dtype,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -280,6 +293,7 @@ class LLMEngine:
                 self._check_adapter_name(lora.name)
             seq.adapter = self.adapters.bind(lora)
             seq.state.adapter_tier = self.adapters.arrival_tier(seq.adapter)
+            self.adapters.prefetch(seq.adapter)  # evicted from host memory: reload while it queues
         try:
             if grammar is not None and not grammar.done():
                 self._check_fits(seq)
@@ -595,7 +609,10 @@ class LLMEngine:
         """Bytes held: base weights, KV cache, adapter slots (device), adapters in host memory."""
         adapters = self.adapters.memory() if self.adapters else {"adapter_slots": 0, "host_adapters": 0}
         return {
-            "base_weights": sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers())),
+            "base_weights": sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
+            + packed_nbytes(self.model)
+            # the fp32 copies the matmul plan keeps (fp32-cached; 0 on the other paths)
+            + sum(getattr(m, "weight32_nbytes", 0) for m in self.model.modules()),
             "kv_cache": sum(k.nbytes + v.nbytes for k, v in self.kv_caches),
             **adapters,
         }

@@ -1,10 +1,11 @@
-"""Linear: y = x·Wᵀ (+ b), and the CPU fast path every projection and the LM head go through.
+"""Linear: y = x·Wᵀ (+ b), computed the way this machine's matmul plan says (matmul_plan.py).
 
-Without bf16 units (AVX2 only) torch's bf16 GEMM runs 5-8x slower than fp32. A product of a
-few rows is bound by reading the weight, where bf16's half size wins; from BF16_UPCAST_MIN_ROWS
-rows on, the weight is upcast to fp32 a slab at a time (the slab stays in cache for its GEMM,
-so memory traffic stays that of bf16). Both paths accumulate in fp32 and round the result to
-bf16 once. CPUs with AVX512-BF16 or AMX, and every GPU, take plain F.linear.
+Every projection and the LM head go through `linear`. On the CPU a bf16/fp16 product takes the
+path the plan names for its row count: native (F.linear in the model dtype), fp32-upcast (the
+weight upcast a slab at a time) or fp32-cached (an fp32 copy of the weight kept beside it);
+both fp32 paths accumulate in fp32 and round the result to the model dtype once. fp32 inputs
+and CUDA always take F.linear. `apply_plan` hands a model its plan (the engine calls it once,
+after calibrating) and makes the fp32 copies the plan needs.
 """
 
 from __future__ import annotations
@@ -13,45 +14,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.layers.matmul_plan import NATIVE, MatmulPlan, capability_plan, linear_fp32
 
-def _cpu_has_bf16_matmul() -> bool:
-    try:  # oneDNN's bf16 kernels need AVX512-BF16 or AMX; torch routes bf16 matmul there if present
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+DEFAULT_PLAN = capability_plan()
 
 
-CPU_HAS_BF16_MATMUL = _cpu_has_bf16_matmul()
-BF16_UPCAST_MIN_ROWS = 5
-UPCAST_SLAB_ROWS = 512
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except multi-row bf16 products on CPUs without bf16 matmul units (see above)."""
-    if upcasts_to_fp32(x):
-        return linear_fp32(x.float(), weight, bias).to(x.dtype)
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    plan: MatmulPlan = DEFAULT_PLAN,
+    weight32: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, in] @ weight [out, in].T (+ bias) -> [T, out] in x's dtype, on the plan's path."""
+    if upcasts_to_fp32(x, plan):
+        return linear_fp32(x.float(), weight, bias, weight32).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
-def upcasts_to_fp32(x: torch.Tensor) -> bool:
-    """Whether `linear` computes this bf16 input in fp32 slabs (and rounds once at the end)."""
+def upcasts_to_fp32(x: torch.Tensor, plan: MatmulPlan = DEFAULT_PLAN) -> bool:
+    """Whether the plan computes this bf16/fp16 CPU input in fp32 (and rounds once at the end)."""
     return (
-        x.dtype == torch.bfloat16
+        x.dtype != torch.float32
         and x.device.type == "cpu"
-        and not CPU_HAS_BF16_MATMUL
-        and x.shape[0] >= BF16_UPCAST_MIN_ROWS
+        and plan.path_for(x.shape[0]) != NATIVE
     )
-
-
-def linear_fp32(x32: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x32 [T, in] fp32 @ weight (any dtype, upcast a slab at a time).T -> [T, out] fp32, unrounded."""
-    out = x32.new_empty(x32.shape[0], weight.shape[0])  # [T, out] fp32
-    for i in range(0, weight.shape[0], UPCAST_SLAB_ROWS):
-        slab = weight[i : i + UPCAST_SLAB_ROWS].float()  # [rows, in]
-        torch.matmul(x32, slab.t(), out=out[:, i : i + UPCAST_SLAB_ROWS])
-    if bias is not None:
-        out += bias
-    return out
 
 
 class Linear(nn.Module):
@@ -71,11 +59,42 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        self.plan = DEFAULT_PLAN
+        # fp32 copy of the weight when the plan has an fp32-cached class; not a checkpoint tensor
+        self.weight32: torch.Tensor | None = None
+        # --weights-dtype int8/int4: the quantised weight (inference/layers/quantized.py) that
+        # replaces `weight` (then freed); None: dense
+        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return linear(x, self.weight, self.bias)
+        return self.base_product(x)
+
+    def base_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> x·Wᵀ (+ b) [T, out] in x's dtype: packed, or on the plan's path."""
+        if self.packed is not None:
+            out = self.packed.linear(x)
+            return out if self.bias is None else out.add_(self.bias)
+        return linear(x, self.weight, self.bias, plan=self.plan, weight32=self.weight32)
+
+    def set_plan(self, plan: MatmulPlan) -> None:
+        self.plan = plan
+        wants_copy = plan.caches_fp32 and self.packed is None and self.weight.dtype != torch.float32
+        self.weight32 = self.weight.detach().float() if wants_copy else None
+
+    @property
+    def weight32_nbytes(self) -> int:
+        return 0 if self.weight32 is None else self.weight32.nbytes
 
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, output_sizes={self.output_sizes}, bias={self.bias is not None}"
         )
+
+
+def apply_plan(model: nn.Module, plan: MatmulPlan) -> None:
+    """Give every Linear of `model` the plan (and the fp32 weight copies it needs); the model's
+    own `plan` attribute serves products outside a Linear (a tied LM head)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.set_plan(plan)
+    model.plan = plan

@@ -8,6 +8,14 @@ down_proj) the layer holds a stack over the device slots, zero beyond each adapt
 
     A_s [max_loras, max_rank, in_features]     B_s [max_loras, n_s, max_rank]   (scale in B)
 
+On the CPU the A stacks of all slices are views of one rank-major tensor
+
+    A_all [max_loras, max_rank, S, in_features]       A_s = A_all[:, :, s]
+
+so a slot's A at rank r is one contiguous [r·S, in] matrix and one shrink reads x once for
+every slice of a fused projection (q/k/v, gate/up). The stacks' dtype is the plan's LoRA dtype
+(fp32 where this CPU multiplies fp32 faster: converted once when a slot fills, never per step).
+
 Until `create_slots` runs (the engine does when LoRA is enabled) there are no stacks and it
 is a plain Linear. Filling and clearing slots is the LoRA slot manager's job
 (inference/lora/slots.py); which tokens use which slot arrives with each forward as the step's
@@ -24,9 +32,11 @@ from collections.abc import Sequence
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 
-from inference.layers.linear import Linear, linear, linear_fp32, upcasts_to_fp32
-from kernels.lora_ops import add_lora
+from inference.layers.linear import Linear, upcasts_to_fp32
+from inference.layers.matmul_plan import linear_fp32
+from kernels.lora_ops import FusedA, add_lora
 from kernels.metadata import LoRABatchMetadata
 
 # (a [r, in_features], b [n_s, r] with the scale folded in) for one slice, or None: not adapted
@@ -54,19 +64,27 @@ class LoRALinear(Linear):
         self.lora_b: list[torch.Tensor] = []  # per slice [max_loras, n_s, max_rank]
         # Slots with weights in each slice. Only slices some resident adapter adapts are
         # multiplied: an all-q/v fleet pays nothing for k (the kernels take any slice subset).
+        self._a_all: torch.Tensor | None = None  # CPU: [max_loras, max_rank, S, in_features]
         self._filled: list[set[int]] = []
-        # (A stacks, B stacks, column offsets) of the filled slices; None: nothing to add.
-        self._live: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
+        # (A stacks, B stacks, column offsets, fused A) of the filled slices; None: nothing to add.
+        self._live: tuple[list[torch.Tensor], list[torch.Tensor], list[int], FusedA | None] | None = None
 
     # -- slots (the slot manager, on the engine's step thread) ------------------------------
     def create_slots(
         self, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Preallocate zeroed stacks for `max_loras` adapters of rank up to `max_rank`."""
-        self.lora_a = [
-            torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=device)
-            for _ in self.output_sizes
-        ]
+        """Preallocate zeroed stacks for `max_loras` adapters of rank up to `max_rank`, in `dtype`
+        (the LoRA compute dtype)."""
+        if device.type == "cpu":
+            num_slices = len(self.output_sizes)
+            self._a_all = torch.zeros(max_loras, max_rank, num_slices, self.in_features, dtype=dtype)
+            self.lora_a = [self._a_all[:, :, s] for s in range(num_slices)]  # [max_loras, max_rank, in] views
+        else:  # the Triton kernels take one contiguous stack per slice
+            self._a_all = None
+            self.lora_a = [
+                torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=device)
+                for _ in self.output_sizes
+            ]
         self.lora_b = [
             torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
             for n in self.output_sizes
@@ -107,6 +125,7 @@ class LoRALinear(Linear):
                 [self.lora_a[i] for i in live],
                 [self.lora_b[i] for i in live],
                 [self.slice_offsets[i] for i in live],
+                None if self._a_all is None else FusedA(self._a_all, tuple(live)),
             )
             if live
             else None
@@ -119,24 +138,25 @@ class LoRALinear(Linear):
 
     @property
     def lora_nbytes(self) -> int:
-        return sum(t.nbytes for t in self.lora_a + self.lora_b)
+        a_bytes = self._a_all.nbytes if self._a_all is not None else sum(t.nbytes for t in self.lora_a)
+        return a_bytes + sum(t.nbytes for t in self.lora_b)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, lora_meta: LoRABatchMetadata | None = None) -> torch.Tensor:
         # x [T, in] -> [T, out]; lora_meta None: no token of this step has an adapter
         live = self._live
         if lora_meta is None or live is None:
-            return linear(x, self.weight, self.bias)
-        a, b, offsets = live
-        if upcasts_to_fp32(x):
-            # bf16 on this CPU computes in fp32 anyway: add the adapters' delta to the fp32
+            return super().forward(x)
+        a, b, offsets, fused = live
+        if self.packed is None and upcasts_to_fp32(x, self.plan):
+            # The plan computes this product in fp32: add the adapters' delta to the fp32
             # product, in place, and round once (no second upcast of x, no [T, out] temporary).
             x32 = x.float()  # [T, in]
-            out32 = linear_fp32(x32, self.weight, self.bias)  # [T, out] fp32
-            add_lora(out32, x32, a, b, lora_meta, offsets)
+            out32 = linear_fp32(x32, self.weight, self.bias, self.weight32)  # [T, out] fp32
+            add_lora(out32, x32, a, b, lora_meta, offsets, fused)
             return out32.to(x.dtype)
-        out = linear(x, self.weight, self.bias)  # [T, out]
-        add_lora(out, x, a, b, lora_meta, offsets)
+        out = F.linear(x, self.weight, self.bias) if self.packed is None else self.base_product(x)  # [T, out]
+        add_lora(out, x, a, b, lora_meta, offsets, fused)
         return out
 
     def extra_repr(self) -> str:

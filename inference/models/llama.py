@@ -30,9 +30,10 @@ from torch import nn
 
 from inference.layers.attention import KVCache, paged_attention
 from inference.layers.attention_metadata import AttentionMetadata
-from inference.layers.linear import Linear, linear
+from inference.layers.linear import DEFAULT_PLAN, Linear, linear
 from inference.layers.lora_linear import LoRALinear
 from inference.layers.norm import RMSNorm
+from inference.layers.quantized import PackedWeight
 from inference.layers.rotary import RotaryEmbedding, apply_rope
 from inference.models.config import LlamaConfig
 from kernels.metadata import LoRABatchMetadata
@@ -65,6 +66,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, [config.vocab_size])
         )
+        # --weights-dtype int8/int4: the head's quantised weight (inference/models/quantize.py)
+        self.lm_head_packed: PackedWeight | None = None
         self.rotary = RotaryEmbedding(
             head_dim=config.head_dim,
             max_positions=config.max_position_embeddings,
@@ -72,6 +75,7 @@ class LlamaForCausalLM(nn.Module):
             scaling=config.rope_scaling,
             freq_factors=config.rope_freq_factors,
         )
+        self.plan = DEFAULT_PLAN  # the engine's measured plan, set by layers.linear.apply_plan
 
     def forward(
         self,
@@ -89,8 +93,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, hidden] -> logits [N, vocab] fp32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed.linear(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.embed_tokens.weight, plan=self.plan).float()
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -173,6 +173,7 @@ async def base_model(request: Request) -> dict:
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
         max_model_len=llm.max_model_len, dtype=config.dtype, max_loras=config.max_loras,
         max_cpu_loras=config.max_cpu_loras, max_lora_rank=config.max_lora_rank,
+        matmul_plan=llm.matmul_plan.describe(),
     ).to_json()
 
 

@@ -74,6 +74,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                                   env="INFERENCE_API_KEY"))
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
                    help=engine_flag_help("weights and activations", "dtype"))
+    p.add_argument("--weights-dtype", choices=["auto", "int8", "int4"],
+                   help=engine_flag_help("auto: dense weights in --dtype; int8 / int4: weight-only quantised "
+                                         "projections (CPU; int4 takes a GGUF file's 4-bit blocks as they are)",
+                                         "weights_dtype"))
+    p.add_argument("--matmul-path", choices=["auto", "native", "fp32-upcast", "fp32-cached"],
+                   help=engine_flag_help("how bf16/fp16 products run on the CPU: auto measures the three paths "
+                                         "at start-up and takes the fastest per shape class (decode, batched "
+                                         "decode, prefill); native / fp32-upcast / fp32-cached forces one",
+                                         "matmul_path"))
     p.add_argument("--device", help=engine_flag_help("cpu or cuda[:N]", "device"))
     p.add_argument("--max-num-seqs", type=int, help=engine_flag_help("sequences in one batch", "max_num_seqs"))
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -181,7 +190,9 @@ def kv_cache_memory(args: argparse.Namespace) -> int | float | None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {
-        "model": model_argument(args), "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
+        "model": model_argument(args), "dtype": args.dtype, "weights_dtype": args.weights_dtype,
+        "matmul_path": args.matmul_path,
+        "device": args.device, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "kv_cache_memory": kv_cache_memory(args), "enable_prefix_caching": args.enable_prefix_caching,
     }

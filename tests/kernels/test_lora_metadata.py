@@ -61,6 +61,16 @@ def test_torch_plan_splits_long_and_short_segments():
     assert all_short.long_segments == () and all_short.padded.all_slots
 
 
+def test_one_or_two_contiguous_short_runs_are_multiplied_in_place_not_padded():
+    ranks = torch.tensor([8, 16, 4])
+    single_stream = build_lora_metadata(torch.tensor([2]), ranks)  # one decode token
+    assert single_stream.padded is None and [s.token_range for s in single_stream.long_segments] == [(0, 1)]
+    two = build_lora_metadata(torch.tensor([-1, 0, 0, 1]), ranks)
+    assert two.padded is None and [s.slot for s in two.long_segments] == [0, 1]
+    three = build_lora_metadata(torch.tensor([0, 1, 1, 2]), ranks)  # three short runs: padded
+    assert three.long_segments == () and three.padded.slots.tolist() == [0, 1, 2]
+
+
 def test_batch_without_adapters():
     meta = build_lora_metadata(torch.tensor([-1, -1]), torch.tensor([8]))
     assert not meta.has_lora

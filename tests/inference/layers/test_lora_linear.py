@@ -7,21 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.layers import linear as linear_module
 from inference.layers.lora_linear import LoRALinear
+from inference.layers.matmul_plan import FP32_CACHED, FP32_UPCAST, NATIVE, forced_plan
 from kernels.metadata import build_lora_metadata
 
 IN, SIZES, MAX_LORAS, MAX_RANK = 24, [16, 8, 8], 3, 8
 
 
-def make_layer(dtype: torch.dtype) -> LoRALinear:
+def make_layer(dtype: torch.dtype, path: str = NATIVE, lora_dtype: torch.dtype | None = None) -> LoRALinear:
     torch.manual_seed(0)
     layer = LoRALinear(IN, SIZES, slice_names=("q_proj", "k_proj", "v_proj"), bias=True)
     with torch.no_grad():
         layer.weight.normal_(0, 0.2)
         layer.bias.normal_(0, 0.2)
     layer = layer.to(dtype)
-    layer.create_slots(MAX_LORAS, MAX_RANK, dtype, torch.device("cpu"))
+    layer.set_plan(forced_plan(path, dtype))
+    layer.create_slots(MAX_LORAS, MAX_RANK, lora_dtype or dtype, torch.device("cpu"))
     return layer
 
 
@@ -30,21 +31,31 @@ def random_slice(rank: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize(
-    "dtype, bf16_units",
-    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
-    ids=["fp32", "bf16", "bf16-fp32-path"],
+    "dtype, path, lora_dtype",
+    [
+        (torch.float32, NATIVE, torch.float32),
+        (torch.bfloat16, NATIVE, torch.bfloat16),
+        (torch.bfloat16, NATIVE, torch.float32),  # bf16 base product, fp32 LoRA stacks
+        (torch.bfloat16, FP32_UPCAST, torch.float32),
+        (torch.bfloat16, FP32_CACHED, torch.float32),
+        (torch.bfloat16, FP32_UPCAST, torch.bfloat16),  # fp32 base product, bf16 stacks
+    ],
+    ids=["fp32", "bf16", "bf16-fp32-lora", "bf16-fp32-upcast", "bf16-fp32-cached", "bf16-upcast-bf16-lora"],
 )
-def test_each_token_gets_its_slots_delta_slice_by_slice(dtype, bf16_units, monkeypatch):
-    if not bf16_units:  # the path of CPUs without AVX512-BF16/AMX, taken here on any CPU
-        monkeypatch.setattr(linear_module, "CPU_HAS_BF16_MATMUL", False)
-    layer = make_layer(dtype)
+@pytest.mark.parametrize("decode", [False, True], ids=["segments", "padded"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["scattered", "grouped"])
+def test_each_token_gets_its_slots_delta_slice_by_slice(dtype, path, lora_dtype, decode, grouped):
+    layer = make_layer(dtype, path, lora_dtype)
     # slot 0: rank 4 on q and v only; slot 2: rank 8 on all three; slot 1 stays empty
     slot0 = [random_slice(4, 16, dtype), None, random_slice(4, 8, dtype)]
     slot2 = [random_slice(8, n, dtype) for n in SIZES]
     layer.set_slot(0, slot0)
     layer.set_slot(2, slot2)
     token_slots = torch.tensor([2, -1, 0, 0, 2, -1, 0, 2, 2])
-    meta = build_lora_metadata(token_slots, torch.tensor([4, 0, 8]))
+    if grouped:  # as the engine lays a step out: each slot's tokens one contiguous run
+        token_slots = token_slots.sort(stable=True).values
+    # padded_max_len 0: every segment multiplied alone; 32: all together as one padded batch
+    meta = build_lora_metadata(token_slots, torch.tensor([4, 0, 8]), padded_max_len=32 if decode else 0)
     x = torch.randn(len(token_slots), IN).to(dtype)
 
     out = layer(x, meta)

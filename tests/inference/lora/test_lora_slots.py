@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.layers import linear as linear_module
+from inference.layers.linear import apply_plan
+from inference.layers.matmul_plan import FP32_UPCAST, forced_plan
 from inference.lora.adapter import load_adapter
 from inference.lora.slots import LoRASlots
 from inference.models.llama import LlamaForCausalLM
@@ -28,12 +29,12 @@ def adapter_dir(tmp_path_factory):
     [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
     ids=["fp32", "bf16", "bf16-fp32-path"],
 )
-def test_projection_adds_the_slot_adapter_per_token(adapter_dir, dtype, bf16_units, monkeypatch):
-    if not bf16_units:  # the path of CPUs without AVX512-BF16/AMX, taken here on any CPU
-        monkeypatch.setattr(linear_module, "CPU_HAS_BF16_MATMUL", False)
+def test_projection_adds_the_slot_adapter_per_token(adapter_dir, dtype, bf16_units):
     config = tiny_config()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(dtype)
+    if not bf16_units:  # the plan of CPUs without AVX512-BF16/AMX, taken here on any CPU
+        apply_plan(model, forced_plan(FP32_UPCAST, dtype))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)

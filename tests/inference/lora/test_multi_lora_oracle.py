@@ -24,7 +24,7 @@ from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.lora.request import LoRARequest
-from tests.inference.models.tiny_llama import write_tiny_checkpoint
+from tests.inference.models.tiny_llama import write_tiny_checkpoint, write_word_tokenizer
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name -> LoraConfig kwargs
@@ -48,15 +48,6 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 # --- the checkpoint, the adapters, the requests -----------------------------------------------
-
-
-def write_word_tokenizer(path: Path, vocab_size: int) -> None:
-    """tokenizer.json for a checkpoint whose prompts are given as token ids: one word per id."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
 
 
 def write_adapter(base_dir: Path, out: Path, seed: int, **lora_kwargs) -> None:
@@ -267,3 +258,56 @@ def test_adapter_config_variants_are_what_peft_wrote(workdir):
     assert cfg["skip_layer1_r8"]["layers_to_transform"] == [0, 2]
     keys = load_file(workdir / "skip_layer1_r8" / "adapter_model.safetensors").keys()
     assert not any(".layers.1." in k for k in keys) and any(".layers.2." in k for k in keys)
+
+
+# --- bf16 on each matmul path ---------------------------------------------------------------
+
+
+def first_logprobs(model, prompts) -> torch.Tensor:
+    """PEFT's log-probabilities of each request's first new token, fp32 [requests, vocab]."""
+    with torch.inference_mode():
+        rows = [model(input_ids=torch.tensor([p]), adapter_names=["__base__" if r is None else r]).logits[0, -1]
+                for p, r in zip(prompts, ROUTES, strict=True)]  # fmt: skip
+    return torch.stack(rows).float().log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def peft_first(peft_model, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(PEFT fp32 first-token logprobs: the truth; PEFT's own bf16 error on PEFT's top-5 tokens,
+    per request)."""
+    import copy
+
+    truth = first_logprobs(peft_model, prompts)
+    bf16 = first_logprobs(copy.deepcopy(peft_model).to(torch.bfloat16), prompts)
+    top5 = truth.topk(5, dim=-1).indices
+    return truth, (bf16.gather(1, top5) - truth.gather(1, top5)).abs().amax(1)
+
+
+@pytest.mark.parametrize("path", ["auto", "native", "fp32-upcast", "fp32-cached"])
+def test_bf16_mixed_batch_as_accurate_as_peft_bf16_on_every_matmul_path(workdir, prompts, peft_first, path):
+    """A bf16 engine (the default dtype) on each matmul path, forced or as calibration picks it,
+    LoRA deltas on that path's stacks and dtype. bf16 rounds differently in every
+    implementation, so the oracle is accuracy: over the mixed batch our first-token logprobs of
+    PEFT's fp32 top-5 are about as close to the fp32 truth as PEFT's own bf16, and wherever the
+    truth's choice is clear of that error our greedy token is the truth's."""
+    truth, peft_err = peft_first
+    engine = make_engine(workdir, dtype="bfloat16", matmul_path=path, max_loras=8, max_cpu_loras=16)
+    if path != "auto":
+        assert set(engine.matmul_plan.paths.values()) == {path}
+        assert engine.matmul_plan.lora_dtype == (torch.bfloat16 if path == "native" else torch.float32)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
+    ids = [engine.add_request(p, one, lora=lora_request(workdir, r)) for p, r in zip(prompts, ROUTES, strict=True)]
+    done = engine.run_until_done(ids)
+    ours_err, wrong = [], []
+    for i, rid in enumerate(ids):
+        [lp] = done[rid].delta_logprobs
+        ours = dict(lp.top)
+        top5 = truth[i].topk(5).indices.tolist()
+        assert all(t in ours for t in top5), f"request {i}: PEFT's top 5 not in our top 20"
+        ours_err.append(max(abs(ours[t] - truth[i, t].item()) for t in top5))
+        top2 = truth[i].topk(2).values
+        if top2[0] - top2[1] > 2 * peft_err.max() and lp.token_id != top5[0]:
+            wrong.append(f"request {i} ({ROUTES[i] or 'base'}): ours {lp.token_id} vs {top5[0]}")
+    print(f"\n[bf16 {path}] max logprob error vs fp32: ours {max(ours_err):.3g}, PEFT bf16 {peft_err.max():.3g}")
+    assert max(ours_err) < 2 * peft_err.max().item()
+    assert not wrong, f"bf16 on {path}:\n" + "\n".join(wrong)

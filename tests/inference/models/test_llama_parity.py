@@ -15,6 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inference.layers.linear import apply_plan
+from inference.layers.matmul_plan import PATHS, forced_plan
+
 from inference.models.llama import LlamaForCausalLM
 from inference.models.loader import load_model
 from tests.inference.models.tiny_llama import (
@@ -64,11 +67,14 @@ def test_tiny_checkpoint_matches_transformers(variant, tmp_path):
         assert until_stop(ours_t, {2}) == ref_t
 
 
-def test_tiny_checkpoint_bfloat16_as_accurate_as_transformers(tmp_path):
-    """The default dtype. bf16 rounds differently in every implementation, so the oracle is
-    accuracy: our bf16 logits must be about as close to the fp32 truth as transformers' bf16."""
+@pytest.mark.parametrize("path", PATHS)
+def test_tiny_checkpoint_bfloat16_as_accurate_as_transformers(tmp_path, path):
+    """The default dtype, on each matmul path the calibration may pick (forced here). bf16 rounds
+    differently in every implementation, so the oracle is accuracy: our bf16 logits must be
+    about as close to the fp32 truth as transformers' bf16."""
     hf = write_tiny_checkpoint(tmp_path)
     ours = load_model(tmp_path, dtype=torch.bfloat16, progress=False)
+    apply_plan(ours, forced_plan(path, torch.bfloat16))
     assert ours.embed_tokens.weight.dtype == torch.bfloat16
     prompts = tiny_prompts()
     _, logits = greedy(ours, prompts, new_tokens=1)
@@ -79,7 +85,7 @@ def test_tiny_checkpoint_bfloat16_as_accurate_as_transformers(tmp_path):
     ours_err = (logits - truth).abs().max().item()
     hf_err = (hf_bf16 - truth).abs().max().item()
     print(
-        f"\n[bf16] max abs logit error vs fp32: ours {ours_err:.3g}, transformers bf16 {hf_err:.3g}"
+        f"\n[bf16 {path}] max abs logit error vs fp32: ours {ours_err:.3g}, transformers bf16 {hf_err:.3g}"
     )
     assert ours_err < 2 * hf_err
     assert logits.argmax(-1).tolist() == truth.argmax(-1).tolist()

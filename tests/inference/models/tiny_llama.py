@@ -213,3 +213,12 @@ def until_stop(tokens: list[int], stop: set[int]) -> list[int]:
         if t in stop:
             return tokens[: i + 1]
     return tokens
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """tokenizer.json for a checkpoint whose prompts are given as token ids: one word per id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))

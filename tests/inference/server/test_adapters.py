@@ -155,5 +155,11 @@ def test_base_model_route_describes_what_an_adapter_must_match(lora_server):
     assert body["name"] == TINY and body["num_hidden_layers"] == 3 and body["hidden_size"] == 64
     assert body["max_lora_rank"] >= 1 and body["max_loras"] >= 1
     assert {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"} <= set(body)
+    # How this worker multiplies (an fp32 model: nothing to choose), also as a metric per class.
+    assert body["matmul_plan"]["source"] == "fixed"
+    assert body["matmul_plan"]["paths"] == {"decode": "native", "batch": "native", "prefill": "native"}
+    for shape_class in ("decode", "batch", "prefill"):
+        assert lora_server.metric("loraplex:matmul_plan_info", shape_class=shape_class, path="native") == 1
+    assert lora_server.metric("loraplex:matmul_plan_info", shape_class="lora", path="float32") == 1
     # What the portal reads back (protocol.worker_api): every field, none dropped as mistyped.
     assert BaseModelInfo.from_json(body).to_json() == body

@@ -144,6 +144,16 @@ def test_vllms_kv_cache_flags_are_the_same_setting_as_ours(smollm2_path):
     assert kv() == 1 << 30
 
 
+def test_the_matmul_path_flag_forces_the_plan(smollm2_path):
+    from inference.server.cli import engine_config
+
+    assert engine_config(_serve_args(str(smollm2_path))).matmul_path == "auto"
+    for path in ("native", "fp32-upcast", "fp32-cached"):
+        assert engine_config(_serve_args(str(smollm2_path), "--matmul-path", path)).matmul_path == path
+    with pytest.raises(SystemExit):  # argparse: one usage line naming the choices, exit 2
+        _serve_args(str(smollm2_path), "--matmul-path", "bf16")
+
+
 def test_enable_lora_is_on_by_default_and_no_enable_lora_serves_the_base_alone(smollm2_path):
     from inference.server.cli import engine_config
 

@@ -1,0 +1,263 @@
+"""Which matmul formulation is fastest on this CPU, measured at start-up, per shape class.
+
+CPUs disagree by 4-8x in both directions. Without bf16 units (AVX2 only) torch's bf16 GEMM
+crawls (~1.2 GFLOP/s measured) and an fp32 product wins; with AVX512-BF16 or AMX, oneDNN's bf16
+kernels beat fp32 by up to 4x on prefill-sized products. So nothing is hard-coded: the engine
+times the candidates on the model's own projection shapes when it starts (tens to hundreds of
+milliseconds) and every Linear follows the plan:
+
+    native       F.linear in the model dtype (bf16 straight into oneDNN where it has kernels)
+    fp32-upcast  x upcast once, the weight upcast a slab at a time (the slab stays in cache
+                 for its GEMM, so memory traffic stays that of bf16), one rounding at the end
+    fp32-cached  x upcast, against an fp32 copy of the weight kept beside it (twice the weight
+                 memory; only chosen when it wins and the copy fits, see FP32_CACHE_MAX_SHARE)
+
+per shape class of the product's row count T:
+
+    decode   T <= 4         a few streams decoding: bound by reading the weight once
+    batch    5 <= T < 64    batched decode
+    prefill  T >= 64        prefill chunks
+
+and, for the LoRA delta (kernels/lora_ops.py), the dtype its stacked A/B are kept and
+multiplied in: the model dtype, or fp32 (converted once at slot fill, not per step).
+
+fp32 models, and CUDA, have nothing to choose: every class is native. `--matmul-path` (env
+INFERENCE_MATMUL_PATH) forces one path for every class (tests run the oracles under each).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+NATIVE, FP32_UPCAST, FP32_CACHED = "native", "fp32-upcast", "fp32-cached"
+PATHS = (NATIVE, FP32_UPCAST, FP32_CACHED)
+MATMUL_PATH_CHOICES = ("auto", *PATHS)
+SHAPE_CLASSES = ("decode", "batch", "prefill")
+BATCH_MIN_ROWS = 5
+PREFILL_MIN_ROWS = 64
+# Rows timed for each class: a typical member; prefill at its smallest, because on an AVX2 CPU
+# one bf16 prefill product of the layer takes ~0.1 s (calibration must stay short).
+CLASS_ROWS = {"decode": 1, "batch": 16, "prefill": 64}
+UPCAST_SLAB_ROWS = 512
+# fp32-cached copies every projection's weight at 4 bytes a parameter; auto mode takes it only
+# while the copy stays under this share of the memory available at start-up.
+FP32_CACHE_MAX_SHARE = 0.25
+# Timing: ROUNDS interleaved rounds; a fast candidate repeats within a round up to
+# ROUND_SECONDS; one slower than GIVE_UP_FACTOR x the best after two rounds is not timed again.
+ROUNDS = 5
+ROUND_SECONDS = 0.002
+GIVE_UP_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """The path per shape class, the LoRA dtype, and how they were chosen (for logs, /v1/base_model,
+    the metrics)."""
+
+    paths: dict[str, str]  # shape class -> path
+    lora_dtype: torch.dtype  # the LoRA stacks' dtype and compute dtype
+    source: str  # "measured", "forced" or "fixed" (fp32 model, CUDA: nothing to choose)
+    # shape class -> path -> best seconds for the class's products (the LoRA class: dtype name)
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # path by row count as a tuple, for the per-call lookup in Linear.forward
+        object.__setattr__(self, "_by_class", tuple(self.paths[c] for c in SHAPE_CLASSES))
+
+    def path_for(self, rows: int) -> str:
+        return self._by_class[0 if rows < BATCH_MIN_ROWS else 1 if rows < PREFILL_MIN_ROWS else 2]
+
+    @property
+    def caches_fp32(self) -> bool:
+        return FP32_CACHED in self.paths.values()
+
+    def describe(self) -> dict:
+        """JSON-ready: what /v1/base_model shows and the start-up log line prints."""
+        return {
+            "source": self.source,
+            "paths": dict(self.paths),
+            "lora_dtype": str(self.lora_dtype).removeprefix("torch."),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "timings_us": {c: {p: round(s * 1e6, 1) for p, s in t.items()} for c, t in self.timings.items()},
+        }
+
+
+def native_plan(dtype: torch.dtype, source: str = "fixed") -> MatmulPlan:
+    return MatmulPlan({c: NATIVE for c in SHAPE_CLASSES}, dtype, source)
+
+
+def capability_plan() -> MatmulPlan:
+    """The plan before anything is measured (a Linear built outside the engine): native where
+    oneDNN has bf16 kernels (AVX512-BF16, AMX), else fp32 slabs from BATCH_MIN_ROWS rows on."""
+    try:
+        bf16_units = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        bf16_units = False
+    if bf16_units:
+        return native_plan(torch.float32)
+    return MatmulPlan({"decode": NATIVE, "batch": FP32_UPCAST, "prefill": FP32_UPCAST}, torch.float32, "fixed")
+
+
+def forced_plan(path: str, dtype: torch.dtype) -> MatmulPlan:
+    """Every class on one path; LoRA in fp32 unless the path is native."""
+    if path not in PATHS:
+        raise ValueError(f"matmul path must be one of {', '.join(PATHS)}, got {path!r}")
+    if dtype == torch.float32:
+        return native_plan(dtype, "fixed")
+    return MatmulPlan({c: path for c in SHAPE_CLASSES}, dtype if path == NATIVE else torch.float32, "forced")
+
+
+def choose_plan(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    requested: str = "auto",
+    max_rows: int = CLASS_ROWS["prefill"],
+) -> MatmulPlan:
+    """The plan for this model on this machine: forced, fixed, or measured (see module doc)."""
+    if device.type != "cpu" or dtype == torch.float32:
+        return native_plan(dtype)
+    if requested != "auto":
+        return forced_plan(requested, dtype)
+    weights = _sample_weights(model)
+    if any(w.numel() == 0 for w in weights):  # quantised projections (--weights-dtype): their own kernels
+        return native_plan(dtype)
+    return calibrate(weights, dtype, max_rows=max_rows, allow_cache=_fp32_copy_fits(model),
+                     lora_slices=model.layers[0].self_attn.qkv_proj.output_sizes)  # fmt: skip
+
+
+def calibrate(
+    weights: list[torch.Tensor], dtype: torch.dtype, *, max_rows: int = CLASS_ROWS["prefill"],
+    allow_cache: bool = True, lora_slices: list[int] | None = None, lora_rank: int = 16,
+) -> MatmulPlan:
+    """Time each path on `weights` (the model's projection weights [out, in], in `dtype`) for each
+    shape class; the fastest wins. The LoRA delta is timed on a projection from weights[0]'s
+    input size to `lora_slices` (default: one slice as wide as weights[0]). Timings are
+    best-of-N so a busy machine slows all alike."""
+    lora_slices = lora_slices or [weights[0].shape[0]]
+    cached = [w.float() for w in weights] if allow_cache else []
+    paths, timings = {}, {}
+    for cls, rows in CLASS_ROWS.items():
+        rows = min(rows, max_rows)
+        xs = [torch.randn(rows, w.shape[1]).to(dtype) for w in weights]
+        candidates: dict[str, Callable[[], object]] = {
+            NATIVE: lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)],
+            FP32_UPCAST: lambda xs=xs: [linear_fp32(x.float(), w, None) for x, w in zip(xs, weights, strict=True)],
+        }
+        if allow_cache:
+            candidates[FP32_CACHED] = lambda xs=xs: [F.linear(x.float(), w) for x, w in zip(xs, cached, strict=True)]
+        timings[cls] = _race(candidates)
+        paths[cls] = min(timings[cls], key=timings[cls].get)
+    # The LoRA stacks take the model dtype only where every product is native and that measures
+    # faster; an fp32 product would have to upcast them every step.
+    timings["lora"] = _race(_lora_candidates(weights[0].shape[1], lora_slices, dtype, lora_rank))
+    native_lora = timings["lora"][str(dtype).removeprefix("torch.")] <= timings["lora"]["float32"]
+    lora_dtype = dtype if native_lora and set(paths.values()) == {NATIVE} else torch.float32
+    return MatmulPlan(paths, lora_dtype, "measured", timings)
+
+
+def linear_fp32(
+    x32: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight32: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x32 [T, in] fp32 @ weight.T -> [T, out] fp32, unrounded. With `weight32` (the fp32 copy) one
+    GEMM; else the weight is upcast UPCAST_SLAB_ROWS output rows at a time."""
+    if weight32 is not None:
+        return F.linear(x32, weight32, None if bias is None else bias.float())
+    out = x32.new_empty(x32.shape[0], weight.shape[0])  # [T, out] fp32
+    for i in range(0, weight.shape[0], UPCAST_SLAB_ROWS):
+        slab = weight[i : i + UPCAST_SLAB_ROWS].float()  # [rows, in]
+        torch.matmul(x32, slab.t(), out=out[:, i : i + UPCAST_SLAB_ROWS])
+    if bias is not None:
+        out += bias
+    return out
+
+
+def _lora_candidates(
+    in_features: int, output_sizes: list[int], dtype: torch.dtype, rank: int
+) -> dict[str, Callable[[], object]]:
+    """The engine's own LoRA delta (kernels.lora_ops.add_lora) on one fused projection's shapes,
+    added into its native output: 16 decode tokens over 4 adapters (the padded batch) plus a
+    64-token prefill chunk of one adapter, with the stacks in the model dtype vs fp32."""
+    from kernels.lora_ops import FusedA, add_lora  # kernels import nothing of the engine's
+    from kernels.metadata import build_lora_metadata
+
+    num_slices, slots = len(output_sizes), 4
+    offsets = [sum(output_sizes[:s]) for s in range(num_slices)]
+    ranks = torch.full((slots,), rank)
+    cases = []
+    for token_slots in (torch.arange(16) // 4, torch.zeros(64, dtype=torch.long)):
+        meta = build_lora_metadata(token_slots, ranks)
+        x = torch.randn(token_slots.numel(), in_features).to(dtype)
+        out = torch.zeros(token_slots.numel(), sum(output_sizes), dtype=dtype)
+        cases.append((meta, x, out))
+
+    def candidate(stack_dtype: torch.dtype) -> Callable[[], object]:
+        a_all = (torch.randn(slots, rank, num_slices, in_features) * 0.01).to(stack_dtype)
+        a = [a_all[:, :, s] for s in range(num_slices)]
+        b = [(torch.randn(slots, n, rank) * 0.01).to(stack_dtype) for n in output_sizes]
+        fused = FusedA(a_all, tuple(range(num_slices)))
+        return lambda: [add_lora(out, x, a, b, meta, offsets, fused) for meta, x, out in cases]
+
+    return {str(dtype).removeprefix("torch."): candidate(dtype), "float32": candidate(torch.float32)}
+
+
+def _race(candidates: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, float]:
+    """Best seconds per call of each candidate over interleaved rounds (after one warm-up call,
+    which also builds oneDNN's primitives for the shape). A round of a fast candidate repeats
+    it up to ROUND_SECONDS; one still GIVE_UP_FACTOR x slower than the best after two rounds
+    sits out the rest. Best-of-rounds: a machine busy with other work slows every candidate,
+    and the minimum is the figure least touched by it."""
+    best: dict[str, float] = {}
+    for fn in candidates.values():
+        fn()
+    for i in range(rounds):
+        fastest = min(best.values(), default=float("inf"))
+        for name, fn in candidates.items():
+            if i >= 2 and best[name] > GIVE_UP_FACTOR * fastest:
+                continue
+            best[name] = min(best.get(name, float("inf")), _seconds_per_call(fn))
+    return best
+
+
+def _seconds_per_call(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    repeats = min(int(ROUND_SECONDS / max(first, 1e-6)), 20)
+    if repeats < 2:
+        return first
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return min(first, (time.perf_counter() - start) / repeats)
+
+
+def _sample_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Two of the first layer's weights, in its dtype: a projection from the hidden size
+    (qkv_proj) and the one into it (down_proj), the two inner dimensions the step multiplies."""
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    return [attn.qkv_proj.weight, mlp.down_proj.weight]
+
+
+def _fp32_copy_fits(model: torch.nn.Module) -> bool:
+    from inference.layers.linear import Linear
+
+    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    return params * 4 <= FP32_CACHE_MAX_SHARE * _available_memory()
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

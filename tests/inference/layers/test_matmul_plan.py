@@ -1,0 +1,112 @@
+"""The matmul plan: measured per CPU at start-up, forced by --matmul-path, fixed where there is
+nothing to choose (fp32 models, CUDA); the engine runs on it and says which path it took."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from inference.config import MATMUL_PATH_CHOICES, ConfigError, EngineConfig
+from inference.engine.llm_engine import LLMEngine
+from inference.layers import matmul_plan
+from inference.layers.matmul_plan import (
+    FP32_CACHED,
+    NATIVE,
+    PATHS,
+    SHAPE_CLASSES,
+    choose_plan,
+    forced_plan,
+)
+from inference.models.loader import load_model
+from tests.inference.models.tiny_llama import write_tiny_checkpoint, write_word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan")
+    hf = write_tiny_checkpoint(path)
+    write_word_tokenizer(path, hf.config.vocab_size)
+    return path
+
+
+def test_the_config_knows_every_path_the_plan_has():
+    assert MATMUL_PATH_CHOICES == ("auto", *PATHS)
+    with pytest.raises(ConfigError, match="matmul_path: expected one of auto, native, fp32-upcast, fp32-cached"):
+        EngineConfig(matmul_path="fastest")
+    with pytest.raises(ConfigError, match="INFERENCE_MATMUL_PATH: expected one of"):
+        EngineConfig.from_env({"INFERENCE_MATMUL_PATH": "bf16"})
+    assert EngineConfig.from_env({"INFERENCE_MATMUL_PATH": "fp32-cached"}).matmul_path == FP32_CACHED
+
+
+def test_nothing_to_choose_for_fp32_models_or_cuda(tiny_dir):
+    model = load_model(tiny_dir, dtype=torch.float32, progress=False)
+    for dtype, device, requested in ((torch.float32, "cpu", "auto"), (torch.float32, "cpu", FP32_CACHED),
+                                     (torch.bfloat16, "cuda", "auto")):  # fmt: skip
+        plan = choose_plan(model, dtype, torch.device(device), requested)
+        assert plan.source == "fixed" and set(plan.paths.values()) == {NATIVE} and not plan.timings
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_forced_path_serves_every_shape_class(path):
+    plan = forced_plan(path, torch.bfloat16)
+    assert plan.source == "forced" and plan.paths == {c: path for c in SHAPE_CLASSES}
+    # fp32 products upcast anyway: LoRA stacks in fp32 are converted once, not every step
+    assert plan.lora_dtype == (torch.bfloat16 if path == NATIVE else torch.float32)
+    with pytest.raises(ValueError, match="matmul path must be one of"):
+        forced_plan("bf16", torch.bfloat16)
+
+
+def test_auto_measures_every_class_on_the_models_own_shapes(tiny_dir):
+    model = load_model(tiny_dir, dtype=torch.bfloat16, progress=False)
+    plan = choose_plan(model, torch.bfloat16, torch.device("cpu"), "auto")
+    assert plan.source == "measured" and set(plan.paths) == set(SHAPE_CLASSES)
+    for cls in SHAPE_CLASSES:  # the winner is the fastest measured
+        assert plan.paths[cls] == min(plan.timings[cls], key=plan.timings[cls].get)
+        assert set(plan.timings[cls]) == set(PATHS)
+    assert set(plan.timings["lora"]) == {"bfloat16", "float32"}
+    if set(plan.paths.values()) != {NATIVE}:
+        assert plan.lora_dtype == torch.float32
+    described = json.loads(json.dumps(plan.describe()))
+    assert described["source"] == "measured" and described["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert described["lora_dtype"] in ("bfloat16", "float32") and set(described["timings_us"]) == {*SHAPE_CLASSES, "lora"}
+
+
+def test_no_fp32_copy_where_it_would_not_fit(tiny_dir, monkeypatch):
+    monkeypatch.setattr(matmul_plan, "_available_memory", lambda: 1 << 10)  # 1 KiB free
+    model = load_model(tiny_dir, dtype=torch.bfloat16, progress=False)
+    plan = choose_plan(model, torch.bfloat16, torch.device("cpu"), "auto")
+    assert all(FP32_CACHED not in plan.timings[c] for c in SHAPE_CLASSES)
+    assert FP32_CACHED not in plan.paths.values()
+
+
+def test_the_race_takes_the_fastest_and_stops_timing_a_hopeless_candidate():
+    calls = {"quick": 0, "slow": 0}
+
+    def quick():
+        calls["quick"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        end = matmul_plan.time.perf_counter() + 0.003
+        while matmul_plan.time.perf_counter() < end:  # 3 ms of work vs none
+            pass
+
+    best = matmul_plan._race({"slow": slow, "quick": quick}, rounds=6)
+    assert min(best, key=best.get) == "quick"
+    assert calls["slow"] <= 3  # warm-up + two rounds, then it sits out
+
+
+def test_the_engine_runs_on_its_plan_and_counts_the_fp32_copies(tiny_dir):
+    def engine(path: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_dir), dtype="bfloat16", matmul_path=path,
+                                      kv_cache_memory=4 << 20), progress=False)  # fmt: skip
+
+    native, cached = engine(NATIVE), engine(FP32_CACHED)
+    assert native.matmul_plan.source == cached.matmul_plan.source == "forced"
+    projections = [m for m in cached.model.modules() if getattr(m, "weight32", None) is not None]
+    assert projections and all(m.plan is cached.matmul_plan for m in projections)
+    fp32_bytes = sum(m.weight32.nbytes for m in projections)
+    assert cached.memory_stats()["base_weights"] == native.memory_stats()["base_weights"] + fp32_bytes
+    assert all(getattr(m, "weight32", None) is None for m in native.model.modules())
