@@ -176,7 +176,9 @@ def sse_data(url: str, body: dict, headers: dict) -> tuple[list[str], str | None
 
 
 def same_request(text: str) -> str:
-    """Two answers to the same greedy request differ in their id and creation time only."""
+    """Two answers to the same greedy request differ in their id, creation time and how much of
+    the prompt the worker's prefix cache held (the same prompt was sent before) only."""
+    text = re.sub(r'"cached_tokens":\d+', '"cached_tokens":0', text)
     return re.sub(r'"created":\d+', '"created":0', re.sub(r'"id":"[^"]*"', '"id":""', text))
 
 
