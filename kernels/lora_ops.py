@@ -238,7 +238,10 @@ def _add_padded(
         width = b.shape[1]
         torch.index_select(d.reshape(groups * m, width), 0, batch.pad_rows,
                            out=delta[:, off : off + width])  # fmt: skip
-    _scatter_add(out, batch.token_ids, delta)
+    if batch.token_range is not None:  # one run of rows: added in place (rounded once)
+        out[batch.token_range[0] : batch.token_range[1]].add_(delta)
+    else:
+        _scatter_add(out, batch.token_ids, delta)
 
 
 def _delta_buffer(out: torch.Tensor, rows: int, covers_all: bool, dtype: torch.dtype) -> torch.Tensor:

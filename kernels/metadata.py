@@ -52,6 +52,7 @@ class PaddedBatch(NamedTuple):
     pad_rows: torch.Tensor  # [n] long: each token's row in the [G * m] padded batch
     pad_src: torch.Tensor  # [G * m] long: the row of x each padded row copies; padding rows
     #                        repeat the segment's first token (computed, then never read)
+    token_range: tuple[int, int] | None = None  # (lo, hi) when token_ids == range(lo, hi)
 
 
 @dataclass(frozen=True, eq=False)
@@ -245,14 +246,19 @@ def _padded_batch(
         pad_rows.append(torch.arange(seg.length) + g * max_len)
         pad_src += [ids, ids[:1].expand(max_len - seg.length)]  # pad with its first token
     slots = [seg.slot for seg in short]
+    ids = torch.cat(token_ids)  # [n] host
+    lo = int(ids[0])
+    # The engine lays a step out by slot, so its adapters' tokens are usually one run of rows
+    contiguous = bool((ids == torch.arange(lo, lo + ids.numel())).all())
     return PaddedBatch(
         slots=torch.tensor(slots, device=device),
         all_slots=slots == list(range(max_loras)),
         max_len=max_len,
         max_rank=max(seg.rank for seg in short),
-        token_ids=torch.cat(token_ids).to(device),
+        token_ids=ids.to(device),
         pad_rows=torch.cat(pad_rows).to(device),
         pad_src=torch.cat(pad_src).to(device),
+        token_range=(lo, lo + ids.numel()) if contiguous else None,
     )
 
 

@@ -54,6 +54,7 @@ def test_torch_plan_splits_long_and_short_segments():
     assert batch.token_ids.tolist() == [0, 5, 8, 7]
     assert batch.pad_rows.tolist() == [0, 1, 2, 3]  # group 0 rows 0..2, group 1 row 3
     assert batch.pad_src.tolist() == [0, 5, 8, 7, 7, 7]  # padding repeats the group's first
+    assert batch.token_range is None  # scattered: gathered and scattered back
 
     everything_long = build_lora_metadata(slots, torch.tensor([8, 16, 4, 2]), padded_max_len=0)
     assert everything_long.padded is None and len(everything_long.long_segments) == 3
@@ -69,6 +70,7 @@ def test_one_or_two_contiguous_short_runs_are_multiplied_in_place_not_padded():
     assert two.padded is None and [s.slot for s in two.long_segments] == [0, 1]
     three = build_lora_metadata(torch.tensor([0, 1, 1, 2]), ranks)  # three short runs: padded
     assert three.long_segments == () and three.padded.slots.tolist() == [0, 1, 2]
+    assert three.padded.token_range == (0, 4)  # one run of rows: the delta is added in place
 
 
 def test_batch_without_adapters():
