@@ -51,6 +51,8 @@ FP32_CACHE_MAX_SHARE = 0.25
 # Timing: ROUNDS interleaved rounds; a fast candidate repeats within a round up to
 # ROUND_SECONDS; one slower than GIVE_UP_FACTOR x the best after two rounds is not timed again.
 ROUNDS = 5
+# Another path replaces the one picked so far only when it takes under this share of its time.
+SWITCH_FACTOR = 0.9
 ROUND_SECONDS = 0.002
 GIVE_UP_FACTOR = 3.0
 
@@ -129,18 +131,19 @@ def choose_plan(
     if any(w.numel() == 0 for w in weights):  # quantised projections (--weights-dtype): their own kernels
         return native_plan(dtype)
     return calibrate(weights, dtype, max_rows=max_rows, allow_cache=_fp32_copy_fits(model),
-                     lora_slices=model.layers[0].self_attn.qkv_proj.output_sizes)  # fmt: skip
+                     lora_projections=_lora_projections(model))  # fmt: skip
 
 
 def calibrate(
     weights: list[torch.Tensor], dtype: torch.dtype, *, max_rows: int = CLASS_ROWS["prefill"],
-    allow_cache: bool = True, lora_slices: list[int] | None = None, lora_rank: int = 16,
+    allow_cache: bool = True, lora_projections: list[tuple[int, list[int]]] | None = None,
+    lora_rank: int = 16,
 ) -> MatmulPlan:
     """Time each path on `weights` (the model's projection weights [out, in], in `dtype`) for each
-    shape class; the fastest wins. The LoRA delta is timed on a projection from weights[0]'s
-    input size to `lora_slices` (default: one slice as wide as weights[0]). Timings are
-    best-of-N so a busy machine slows all alike."""
-    lora_slices = lora_slices or [weights[0].shape[0]]
+    shape class; the fastest wins. The LoRA delta is timed on `lora_projections` (in_features,
+    output slices; default: each weight as one slice). Timings are best-of-N so a busy machine
+    slows all alike."""
+    lora_projections = lora_projections or [(w.shape[1], [w.shape[0]]) for w in weights]
     cached = [w.float() for w in weights] if allow_cache else []
     paths, timings = {}, {}
     for cls, rows in CLASS_ROWS.items():
@@ -153,13 +156,24 @@ def calibrate(
         if allow_cache:
             candidates[FP32_CACHED] = lambda xs=xs: [F.linear(x.float(), w) for x, w in zip(xs, cached, strict=True)]
         timings[cls] = _race(candidates)
-        paths[cls] = min(timings[cls], key=timings[cls].get)
+        paths[cls] = _winner(timings[cls])
     # The LoRA stacks take the model dtype only where every product is native and that measures
     # faster; an fp32 product would have to upcast them every step.
-    timings["lora"] = _race(_lora_candidates(weights[0].shape[1], lora_slices, dtype, lora_rank))
+    timings["lora"] = _race(_lora_candidates(lora_projections, dtype, lora_rank))
     native_lora = timings["lora"][str(dtype).removeprefix("torch.")] <= timings["lora"]["float32"]
     lora_dtype = dtype if native_lora and set(paths.values()) == {NATIVE} else torch.float32
     return MatmulPlan(paths, lora_dtype, "measured", timings)
+
+
+def _winner(seconds: dict[str, float]) -> str:
+    """native unless a path in PATHS order measures under SWITCH_FACTOR x the pick so far: fp32
+    paths convert every call and fp32-cached doubles the weights' memory, so a near tie (or
+    noise) keeps the simpler path."""
+    pick = NATIVE
+    for path in PATHS[1:]:
+        if path in seconds and seconds[path] < SWITCH_FACTOR * seconds[pick]:
+            pick = path
+    return pick
 
 
 def linear_fp32(
@@ -179,30 +193,32 @@ def linear_fp32(
 
 
 def _lora_candidates(
-    in_features: int, output_sizes: list[int], dtype: torch.dtype, rank: int
+    projections: list[tuple[int, list[int]]], dtype: torch.dtype, rank: int
 ) -> dict[str, Callable[[], object]]:
-    """The engine's own LoRA delta (kernels.lora_ops.add_lora) on one fused projection's shapes,
-    added into its native output: 16 decode tokens over 4 adapters (the padded batch) plus a
-    64-token prefill chunk of one adapter, with the stacks in the model dtype vs fp32."""
+    """The engine's own LoRA delta (kernels.lora_ops.add_lora) on the model's projections
+    (in_features, output slices), added into their native output: 16 decode tokens over 4
+    adapters (the padded batch) and a 256-token prefill chunk of one adapter, with the stacks
+    in the model dtype vs fp32 (fp32 stacks convert x, and a bf16 output's rows, per call)."""
     from kernels.lora_ops import FusedA, add_lora  # kernels import nothing of the engine's
     from kernels.metadata import build_lora_metadata
 
-    num_slices, slots = len(output_sizes), 4
-    offsets = [sum(output_sizes[:s]) for s in range(num_slices)]
-    ranks = torch.full((slots,), rank)
-    cases = []
-    for token_slots in (torch.arange(16) // 4, torch.zeros(64, dtype=torch.long)):
-        meta = build_lora_metadata(token_slots, ranks)
-        x = torch.randn(token_slots.numel(), in_features).to(dtype)
-        out = torch.zeros(token_slots.numel(), sum(output_sizes), dtype=dtype)
-        cases.append((meta, x, out))
+    slots = 4
+    steps = [build_lora_metadata(t, torch.full((slots,), rank))
+             for t in (torch.arange(16) // 4, torch.zeros(256, dtype=torch.long))]  # fmt: skip
 
     def candidate(stack_dtype: torch.dtype) -> Callable[[], object]:
-        a_all = (torch.randn(slots, rank, num_slices, in_features) * 0.01).to(stack_dtype)
-        a = [a_all[:, :, s] for s in range(num_slices)]
-        b = [(torch.randn(slots, n, rank) * 0.01).to(stack_dtype) for n in output_sizes]
-        fused = FusedA(a_all, tuple(range(num_slices)))
-        return lambda: [add_lora(out, x, a, b, meta, offsets, fused) for meta, x, out in cases]
+        calls = []
+        for in_features, sizes in projections:
+            a_all = (torch.randn(slots, rank, len(sizes), in_features) * 0.01).to(stack_dtype)
+            a = [a_all[:, :, s] for s in range(len(sizes))]
+            b = [(torch.randn(slots, n, rank) * 0.01).to(stack_dtype) for n in sizes]
+            offsets = [sum(sizes[:s]) for s in range(len(sizes))]
+            fused = FusedA(a_all, tuple(range(len(sizes))))
+            for meta in steps:
+                x = torch.randn(meta.num_tokens, in_features).to(dtype)
+                out = torch.zeros(meta.num_tokens, sum(sizes), dtype=dtype)
+                calls.append((out, x, a, b, meta, offsets, fused))
+        return lambda: [add_lora(*call) for call in calls]
 
     return {str(dtype).removeprefix("torch."): candidate(dtype), "float32": candidate(torch.float32)}
 
@@ -243,6 +259,12 @@ def _sample_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     (qkv_proj) and the one into it (down_proj), the two inner dimensions the step multiplies."""
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     return [attn.qkv_proj.weight, mlp.down_proj.weight]
+
+
+def _lora_projections(model: torch.nn.Module) -> list[tuple[int, list[int]]]:
+    """The first layer's fused projections, (in_features, output slices): q/k/v and gate/up."""
+    qkv, gate_up = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj
+    return [(qkv.in_features, qkv.output_sizes), (gate_up.in_features, gate_up.output_sizes)]
 
 
 def _fp32_copy_fits(model: torch.nn.Module) -> bool:
