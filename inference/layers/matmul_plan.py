@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.lora_ops import FusedA, add_lora
+from kernels.metadata import build_lora_metadata
+
 NATIVE, FP32_UPCAST, FP32_CACHED = "native", "fp32-upcast", "fp32-cached"
 PATHS = (NATIVE, FP32_UPCAST, FP32_CACHED)
 MATMUL_PATH_CHOICES = ("auto", *PATHS)
@@ -199,9 +202,6 @@ def _lora_candidates(
     (in_features, output slices), added into their native output: 16 decode tokens over 4
     adapters (the padded batch) and a 256-token prefill chunk of one adapter, with the stacks
     in the model dtype vs fp32 (fp32 stacks convert x, and a bf16 output's rows, per call)."""
-    from kernels.lora_ops import FusedA, add_lora  # kernels import nothing of the engine's
-    from kernels.metadata import build_lora_metadata
-
     slots = 4
     steps = [build_lora_metadata(t, torch.full((slots,), rank))
              for t in (torch.arange(16) // 4, torch.zeros(256, dtype=torch.long))]  # fmt: skip
@@ -268,9 +268,8 @@ def _lora_projections(model: torch.nn.Module) -> list[tuple[int, list[int]]]:
 
 
 def _fp32_copy_fits(model: torch.nn.Module) -> bool:
-    from inference.layers.linear import Linear
-
-    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    # every projection (a Linear: it names its output slices) would get an fp32 copy
+    params = sum(m.weight.numel() for m in model.modules() if hasattr(m, "output_sizes"))
     return params * 4 <= FP32_CACHE_MAX_SHARE * _available_memory()
 
 

@@ -19,19 +19,11 @@ from inference.lora.errors import AdapterError
 from inference.lora.manager import AdapterNotFoundError
 from inference.lora.request import LoRARequest
 from tests.inference.lora.peft_adapters import write_peft_adapter
-from tests.inference.models.tiny_llama import write_tiny_checkpoint
+from tests.inference.models.tiny_llama import write_tiny_checkpoint, write_word_tokenizer
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11]
 BASE_DIR = "SmolLM2-135M-Instruct"
-
-
-def write_word_tokenizer(path: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
