@@ -54,8 +54,10 @@ FP32_CACHE_MAX_SHARE = 0.25
 # Timing: ROUNDS interleaved rounds; a fast candidate repeats within a round up to
 # ROUND_SECONDS; one slower than GIVE_UP_FACTOR x the best after two rounds is not timed again.
 ROUNDS = 5
-# Another path replaces the one picked so far only when it takes under this share of its time.
-SWITCH_FACTOR = 0.9
+# Another path replaces the one picked so far only when it takes under this share of its time:
+# fp32 paths convert on every call, and fp32-cached doubles the weights' memory, so it must win
+# clearly (a one-row product is ~0.1 ms, where a busy start-up alone makes 15% differences).
+SWITCH_FACTOR = {FP32_UPCAST: 0.9, FP32_CACHED: 0.75}
 ROUND_SECONDS = 0.002
 GIVE_UP_FACTOR = 3.0
 
@@ -169,12 +171,11 @@ def calibrate(
 
 
 def _winner(seconds: dict[str, float]) -> str:
-    """native unless a path in PATHS order measures under SWITCH_FACTOR x the pick so far: fp32
-    paths convert every call and fp32-cached doubles the weights' memory, so a near tie (or
-    noise) keeps the simpler path."""
+    """native unless a path in PATHS order measures under its SWITCH_FACTOR x the pick so far, so
+    a near tie (or noise) keeps the simpler, smaller path."""
     pick = NATIVE
     for path in PATHS[1:]:
-        if path in seconds and seconds[path] < SWITCH_FACTOR * seconds[pick]:
+        if path in seconds and seconds[path] < SWITCH_FACTOR[path] * seconds[pick]:
             pick = path
     return pick
 

@@ -85,6 +85,7 @@ def test_no_fp32_copy_where_it_would_not_fit(tiny_dir, monkeypatch):
 
 def test_a_near_tie_keeps_the_simpler_path():
     assert matmul_plan._winner({NATIVE: 100e-6, "fp32-upcast": 95e-6, FP32_CACHED: 93e-6}) == NATIVE
+    assert matmul_plan._winner({NATIVE: 143e-6, "fp32-upcast": 851e-6, FP32_CACHED: 118e-6}) == NATIVE  # +100% memory
     assert matmul_plan._winner({NATIVE: 100e-6, "fp32-upcast": 50e-6, FP32_CACHED: 48e-6}) == "fp32-upcast"
     assert matmul_plan._winner({NATIVE: 100e-6, "fp32-upcast": 50e-6, FP32_CACHED: 30e-6}) == FP32_CACHED
     assert matmul_plan._winner({NATIVE: 100e-6, "fp32-upcast": 120e-6}) == NATIVE  # no cache offered
