@@ -24,32 +24,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lora_adapters import adapter_nbytes, base_config, median, write_random_adapter  # noqa: E402
+from bench.machine import machine_line  # noqa: E402
 from inference.config import EngineConfig  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
 from inference.lora.request import LoRARequest  # noqa: E402
 from inference.models.fetch import default_model_path  # noqa: E402
-
-
-def cpu_name() -> str:
-    """lscpu's model name and torch's CPU capability: the numbers mean little without them."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        out = ""
-    model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown CPU")
-    return f"{model}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
 
 
 def drop_from_page_cache(directory: Path) -> None:
@@ -100,7 +88,7 @@ def main() -> None:
         progress=False,
     )
     prompt = [1 + (7 * j) % 1000 for j in range(args.prompt_tokens)]
-    print(f"CPU: {cpu_name()}")
+    print(machine_line())
     print(f"model {engine.model_name}, {args.dtype}; adapters rank {args.rank}, all seven projections "
           f"({adapter_nbytes(cfg, args.rank) / 2**20:.1f} MiB each); prompt {len(prompt)} tokens; "
           f"{args.runs} runs after a warm-up")

@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     from django.urls import reverse
     from django.utils import timezone
 
-    from bench.prefix_cache import cpu_name
+    from bench.machine import cpu_name
     from portal.fleet.history import history_fold
     from portal.fleet.models import WorkerSample
     from portal.tenants.models import Tenant

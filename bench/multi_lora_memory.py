@@ -112,14 +112,14 @@ def main() -> None:
         child(args.child, args.model, args.adapters, args.requests, args.max_tokens)
         return
 
-    from bench.cold_adapter import cpu_name
     from bench.lora_adapters import adapter_nbytes, base_config, write_random_adapters
+    from bench.machine import machine_line
 
     cfg = base_config(args.model)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-lora-mem-") as tmp:
         dirs = [str(p) for p in write_random_adapters(Path(tmp), cfg, 8, rank=16)]
-        print(f"CPU: {cpu_name()}")
+        print(machine_line())
         print(f"8 adapters, rank 16, all seven projections: {adapter_nbytes(cfg, 16) / 2**20:.1f} MiB each (bf16); "
               f"{args.requests} requests x {args.max_tokens} tokens per configuration")
         for config in [c for c in CONFIGS if c == "base" or c in args.configs]:

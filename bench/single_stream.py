@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from inference.engine.sampling_params import SamplingParams
-from inference.llm import LLM
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import machine_line  # noqa: E402
+from inference.engine.sampling_params import SamplingParams  # noqa: E402
+from inference.llm import LLM  # noqa: E402
+
 GOAL = 0.5
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 QUALITY_PROMPTS = [
@@ -43,12 +45,6 @@ QUALITY_PROMPTS = [
     "Translate to French: The cat is sleeping on the sofa.",
     "Write a haiku about autumn leaves.",
 ]
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown CPU")
-    return f"{model}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
 
 
 def decode_rate(stamps: list[float]) -> float:
@@ -131,7 +127,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
 
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads")
+    print(machine_line())
     print(f"model: {args.model}; batch 1, greedy, {args.tokens} new tokens, best of {args.repeats}")
     contestants: list = [Ours(args.model, mode, args.threads) for mode in modes]
     peer = load_peer(args.model, args.threads)

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_throughput import make_prompts  # noqa: E402
-from bench.prefix_cache import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from inference.config import EngineConfig  # noqa: E402
 from inference.engine.llm_engine import LLMEngine  # noqa: E402
 from inference.engine.sampler import Sampler, SamplingBatch  # noqa: E402

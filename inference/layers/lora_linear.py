@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
 from inference.layers.linear import Linear, upcasts_to_fp32
 from inference.layers.matmul_plan import linear_fp32
@@ -155,7 +154,7 @@ class LoRALinear(Linear):
             out32 = linear_fp32(x32, self.weight, self.bias, self.weight32)  # [T, out] fp32
             add_lora(out32, x32, a, b, lora_meta, offsets, fused)
             return out32.to(x.dtype)
-        out = F.linear(x, self.weight, self.bias) if self.packed is None else self.base_product(x)  # [T, out]
+        out = self.base_product(x)  # [T, out]: native (or a quantised weight's product)
         add_lora(out, x, a, b, lora_meta, offsets, fused)
         return out
 

@@ -11,9 +11,7 @@ import pytest
 from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
-from tests.inference.lora.peft_adapters import write_peft_adapter
-from tests.inference.lora.test_engine_adapters import BASE_DIR, write_word_tokenizer
-from tests.inference.models.tiny_llama import write_tiny_checkpoint
+from tests.inference.lora.peft_adapters import BASE_DIR, write_base_and_adapters
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SYSTEM = (
@@ -104,12 +102,8 @@ ADAPTER_GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("prefix_adapters")
-    hf = write_tiny_checkpoint(root / BASE_DIR)
-    write_word_tokenizer(root / BASE_DIR, hf.config.vocab_size)
-    for i, name in enumerate("ab"):
-        write_peft_adapter(root / name, seed=20 + i, r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"])
-    return root
+    return write_base_and_adapters(tmp_path_factory.mktemp("prefix_adapters"), "ab", 20, r=8, lora_alpha=16,
+                                   target_modules=["q_proj", "k_proj", "v_proj"])
 
 
 def tiny(root: Path, **overrides) -> LLMEngine:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from inference.models.config import LlamaConfig
-from tests.inference.models.tiny_llama import TINY
+from tests.inference.models.tiny_llama import TINY, write_tiny_checkpoint, write_word_tokenizer
 
 # What PEFT records as the base when the adapter was trained on the default model, and the
 # default GGUF's general.name (what LlamaConfig.name holds when that model is served).
@@ -50,3 +50,17 @@ def peft_lora_module(peft_model, layer: int, module: str):
     decoder = peft_model.base_model.model.model.layers[layer]
     wrapped = getattr(getattr(decoder, parent), module)
     return wrapped if hasattr(wrapped, "lora_A") else None
+
+
+# Named like the model the adapters record as their base, so a different model is recognised.
+BASE_DIR = "SmolLM2-135M-Instruct"
+
+
+def write_base_and_adapters(root: Path, names, first_seed: int, **lora_kwargs) -> Path:
+    """root/BASE_DIR: the tiny checkpoint with a word tokenizer (prompts as token ids); root/<name>:
+    a PEFT adapter per name, seeds first_seed, first_seed + 1, ... Returns root."""
+    hf = write_tiny_checkpoint(root / BASE_DIR)
+    write_word_tokenizer(root / BASE_DIR, hf.config.vocab_size)
+    for i, name in enumerate(names):
+        write_peft_adapter(root / name, seed=first_seed + i, **lora_kwargs)
+    return root

@@ -23,9 +23,13 @@ from inference.lora.slots import LoRASlots
 from inference.models.config import LlamaConfig
 from inference.models.llama import LlamaForCausalLM
 from protocol.adapter_format import WEIGHTS_FILE
-from tests.inference.lora.peft_adapters import tiny_config, write_peft_adapter
-from tests.inference.lora.test_engine_adapters import BASE_DIR, truncate, write_word_tokenizer
-from tests.inference.models.tiny_llama import write_tiny_checkpoint
+from tests.inference.lora.peft_adapters import (
+    BASE_DIR,
+    tiny_config,
+    write_base_and_adapters,
+    write_peft_adapter,
+)
+from tests.inference.lora.test_engine_adapters import truncate
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 3, 99, 42, 7]
@@ -33,13 +37,8 @@ PROMPT = [5, 17, 3, 99, 42, 7]
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("adapter_memory")
-    hf = write_tiny_checkpoint(root / BASE_DIR)
-    write_word_tokenizer(root / BASE_DIR, hf.config.vocab_size)
-    for i, name in enumerate(("a", "b", "c")):
-        write_peft_adapter(root / name, seed=50 + i, r=4, lora_alpha=8,
-                           target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
-    return root
+    return write_base_and_adapters(tmp_path_factory.mktemp("adapter_memory"), "abc", 50, r=4, lora_alpha=8,
+                                   target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
 
 
 def one_slot_engine(root: Path, max_cpu_loras: int) -> LLMEngine:

@@ -13,9 +13,7 @@ from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.lora.request import LoRARequest
-from tests.inference.lora.peft_adapters import write_peft_adapter
-from tests.inference.lora.test_engine_adapters import BASE_DIR, write_word_tokenizer
-from tests.inference.models.tiny_llama import write_tiny_checkpoint
+from tests.inference.lora.peft_adapters import BASE_DIR, write_base_and_adapters
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 3, 99, 42, 7]
@@ -23,12 +21,8 @@ PROMPT = [5, 17, 3, 99, 42, 7]
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("arrival_tier")
-    hf = write_tiny_checkpoint(root / BASE_DIR)
-    write_word_tokenizer(root / BASE_DIR, hf.config.vocab_size)
-    for i, name in enumerate(("a", "b", "c")):
-        write_peft_adapter(root / name, seed=30 + i, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    return root
+    return write_base_and_adapters(tmp_path_factory.mktemp("arrival_tier"), "abc", 30, r=4, lora_alpha=8,
+                                   target_modules=["q_proj", "v_proj"])
 
 
 def one_slot_engine(root: Path, *, max_cpu_loras: int = 4) -> LLMEngine:

@@ -18,23 +18,16 @@ from inference.engine.sampling_params import SamplingParams
 from inference.lora.errors import AdapterError
 from inference.lora.manager import AdapterNotFoundError
 from inference.lora.request import LoRARequest
-from tests.inference.lora.peft_adapters import write_peft_adapter
-from tests.inference.models.tiny_llama import write_tiny_checkpoint, write_word_tokenizer
+from tests.inference.lora.peft_adapters import BASE_DIR, write_base_and_adapters, write_peft_adapter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11]
-BASE_DIR = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("engine_adapters")
-    # Named like the model the adapters record as their base, so a different model is recognised.
-    hf = write_tiny_checkpoint(root / BASE_DIR)
-    write_word_tokenizer(root / BASE_DIR, hf.config.vocab_size)
-    for i, name in enumerate(("a", "b", "c", "d")):
-        write_peft_adapter(root / name, seed=10 + i, r=8, lora_alpha=16,
-                           target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
+    root = write_base_and_adapters(tmp_path_factory.mktemp("engine_adapters"), "abcd", 10, r=8, lora_alpha=16,
+                                   target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
     write_peft_adapter(root / "a_v2", seed=99, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     return root
 
