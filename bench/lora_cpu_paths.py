@@ -1,13 +1,14 @@
 """Which torch formulation of the multi-LoRA delta is fastest on this CPU?
 
     python bench/lora_cpu_paths.py [--runs 30] [--dtypes float32,bfloat16]
-                                   [--batches decode,prefill,mixed] [--only NAME,NAME]
+                                   [--batches decode,decode-by-slot,prefill,mixed] [--only NAME,NAME]
 
 Times `out += per-token LoRA delta` (shrink + expand, every output slice) for the four
 projection shapes of one SmolLM2-135M decoder block (qkv 576->576+192+192, o 576->576,
-gate_up 576->1536+1536, down 1536->576), rank 16, 8 adapter slots, in three batches:
+gate_up 576->1536+1536, down 1536->576), rank 16, 8 adapter slots, in four batches:
 
     decode:  64 tokens, one per sequence, adapters drawn at random over 8 slots
+    decode-by-slot: the same, laid out by slot as the engine does (8 tokens per adapter)
     prefill: 1024 tokens, 4 sequences of 256 (one adapter each, contiguous)
     mixed:   a 256-token prefill chunk (slot 0) followed by 63 decode tokens over 8 slots
 
@@ -22,7 +23,9 @@ Candidates (all produce the same numbers as kernels.reference, checked before ti
                  masked to the token's slot, then one matmul back
     segments_addmm  segments, contiguous ones added straight into out (addmm_), no buffer
     slot_bmm     every slot's tokens padded to the longest segment: two bmm's per slice
-    dispatcher   kernels.lora_ops.add_lora (what the engine calls): segments_addmm for
+    engine       kernels.lora_ops.add_lora_cpu on the stacks in the engine's CPU layout
+                 (kernels/cpu_stacks.py): what LoRALinear calls on the CPU
+    dispatcher   kernels.lora_ops.add_lora on plain stacks: segments_addmm for
                  segments of >= 32 tokens, slot_bmm for the shorter ones
 
 bf16 variants: `-bf16` multiplies in bf16; `-fp32` upcasts the rows and weights it touches
@@ -39,7 +42,8 @@ from collections.abc import Callable
 import torch
 
 from inference.layers.linear import linear
-from kernels.lora_ops import add_lora
+from kernels.cpu_stacks import CpuStacks, cpu_stacks
+from kernels.lora_ops import add_lora, add_lora_cpu
 from kernels.metadata import LoRABatchMetadata, build_lora_metadata
 from kernels.reference import add_lora_ref
 
@@ -220,6 +224,20 @@ def dispatcher(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.d
     add_lora(out, x, a_list, b_list, meta)
 
 
+_ENGINE_STACKS: dict[int, CpuStacks] = {}  # id(a_list[0]) -> its copy in the engine's layout
+
+
+def engine(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype) -> None:
+    key = id(a_list[0])  # the lists live as long as the run: ids stay theirs
+    if key not in _ENGINE_STACKS:
+        widths = [b.shape[1] for b in b_list]
+        stacks, a_views, b_views = cpu_stacks(MAX_LORAS, RANK, x.shape[1], widths, a_list[0].dtype)
+        for view, src in zip(a_views + b_views, a_list + b_list, strict=True):
+            view.copy_(src)
+        _ENGINE_STACKS[key] = stacks
+    add_lora_cpu(out, x, _ENGINE_STACKS[key], meta)
+
+
 CANDIDATES: dict[str, Callable] = {
     "segments": segments,
     "sorted": sorted_once,
@@ -229,12 +247,16 @@ CANDIDATES: dict[str, Callable] = {
     "gathered_bmm": gathered_bmm,
     "padded": padded,
     "dispatcher": dispatcher,
+    "engine": engine,
 }
+STACK_DTYPE_ONLY = {"dispatcher", "engine"}  # they compute in the stacks' dtype
 
 
 def make_batch(kind: str, gen: torch.Generator) -> torch.Tensor:
     if kind == "decode":
         return torch.randint(0, MAX_LORAS, (64,), generator=gen)
+    if kind == "decode-by-slot":  # how the engine lays a decode step out: 8 tokens per adapter
+        return torch.arange(64) * MAX_LORAS // 64
     if kind == "mixed":  # a 256-token prefill chunk, then 63 decode tokens
         decode = torch.randint(0, MAX_LORAS, (63,), generator=gen)
         return torch.cat((torch.zeros(256, dtype=torch.long), decode))
@@ -269,7 +291,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--only", default="", help="comma-separated candidate names")
-    parser.add_argument("--batches", default="decode,prefill,mixed")
+    parser.add_argument("--batches", default="decode,decode-by-slot,prefill,mixed")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     print(
@@ -295,7 +317,7 @@ def main() -> None:
             for name, fn in CANDIDATES.items():
                 if args.only and name not in args.only.split(","):
                     continue
-                for compute in computes if name != "dispatcher" else [None]:
+                for compute in computes if name not in STACK_DTYPE_ONLY else [None]:
                     label = name
                     if compute is not None and dtype != torch.float32:
                         label += "-bf16" if compute == torch.bfloat16 else "-fp32"

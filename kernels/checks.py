@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.cpu_stacks import CpuStacks
 from kernels.metadata import LoRABatchMetadata
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,14 +52,13 @@ def check_add_lora_args(
     b_stacked: Sequence[torch.Tensor],
     meta: LoRABatchMetadata,
     slice_offsets: Sequence[int] | None,
-    fused: object = None,
 ) -> list[int]:
     """Shrink's and expand's checks, with the intermediate y implied. Returns the offsets."""
     _check_meta(meta)
     # On the CPU activations and weights may differ in dtype: the plan may run a bf16 model's
     # base linear in fp32, or keep its LoRA stacks in fp32 (the delta joins out, rounded once).
     mixed = meta.device.type == "cpu"
-    # ... and the A stacks may be views of one fused tensor (each row contiguous)
+    # ... and the A stacks may be views into a wider buffer (each row contiguous)
     num_slices, max_rank = _check_x_and_a(x, a_stacked, meta, mixed_dtypes=mixed, strided_a=mixed)
     b_slices, b_rank, offsets = _check_b_and_out(b_stacked, meta, out, slice_offsets, mixed_dtypes=mixed)
     if b_slices != num_slices:
@@ -71,26 +71,28 @@ def check_add_lora_args(
         raise ValueError(
             f"b_stacked[0] dtype {b_stacked[0].dtype} differs from a_stacked[0] dtype {a_stacked[0].dtype}"
         )
-    if fused is not None:
-        _check_fused(fused, list(a_stacked), meta)
     return offsets
 
 
-def _check_fused(fused: object, a_list: list[torch.Tensor], meta: LoRABatchMetadata) -> None:
-    """fused: a FusedA whose a_all[:, :, index[i]] is the i-th A stack (the same memory)."""
-    a_all, index = getattr(fused, "a_all", None), getattr(fused, "index", None)
-    if meta.device.type != "cpu" or not isinstance(a_all, torch.Tensor) or a_all.dim() != 4:
-        raise ValueError("fused must be a CPU FusedA(a_all [max_loras, max_rank, S, in], index)")
-    if not isinstance(index, tuple) or len(index) != len(a_list):
-        raise ValueError(f"fused.index must name the slice of each of the {len(a_list)} A stacks")
-    if not a_all.is_contiguous():
-        raise ValueError("fused.a_all must be contiguous")
-    for i, (s, a) in enumerate(zip(index, a_list, strict=True)):
-        if not (isinstance(s, int) and 0 <= s < a_all.shape[2]):
-            raise ValueError(f"fused.index[{i}] = {s!r} is not a slice of a_all")
-        view = a_all[:, :, s]
-        if (a.data_ptr(), a.shape, a.stride()) != (view.data_ptr(), view.shape, view.stride()):
-            raise ValueError(f"a_stacked[{i}] is not fused.a_all[:, :, {s}]")
+def check_cpu_stacks_args(
+    out: torch.Tensor, x: torch.Tensor, stacks: object, meta: LoRABatchMetadata
+) -> None:
+    """add_lora_cpu's per-call checks: x [T, in] and out [T, out_features] against the stacks
+    (whose own layout kernels.cpu_stacks checked when it made them) and the metadata."""
+    _check_meta(meta)
+    if not isinstance(stacks, CpuStacks) or meta.device.type != "cpu":
+        raise ValueError(f"stacks must be CpuStacks with CPU metadata, got {type(stacks).__name__}")
+    for name, t, columns in (("x", x, stacks.in_features), ("out", out, stacks.out_features)):
+        _check_tensor(name, t, dims=2, device=meta.device, strided_rows=True)
+        if t.shape != (meta.num_tokens, columns):
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} should be ({meta.num_tokens}, {columns}): "
+                "the step's tokens by the stacks' features"
+            )
+    _check_dtype("x", x, ACTIVATION_DTYPES)
+    if out.dtype != x.dtype:
+        raise ValueError(f"out dtype {out.dtype} differs from x dtype {x.dtype}")
+    _check_slot_dims("stacks", stacks.max_loras, stacks.max_rank, meta)
 
 
 def _check_x_and_a(

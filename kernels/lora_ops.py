@@ -3,6 +3,7 @@
     meta = build_lora_metadata(token_slots, slot_ranks, device=...)   # once per engine step
     out = base_linear(x)                                              # [T, out_features]
     add_lora(out, x, a_stacked, b_stacked, meta)                      # out += per-token delta
+    add_lora_cpu(out, x, stacks, meta)          # the same, stacks in the CPU layout (cpu_stacks)
 
 `lora_shrink` / `lora_expand` are the two halves, for callers that keep the shrunk
 activations (on the CPU they take the plain per-segment path; add_lora is the tuned one). Semantics, shapes and argument checks
@@ -14,14 +15,16 @@ path's batched products run at the batch's largest rank and multiply them.
 
 CPU path, the fastest of the candidates bench/lora_cpu_paths.py measures (per-segment
 matmuls, gathered per-token bmm, padded stacked weights over every slot, and variants):
-- with `fused` (the A stacks of a projection's slices as one rank-major tensor, see FusedA), one
-  shrink per segment reads x once for every slice (q/k/v, gate/up) instead of once per slice;
+- `add_lora_cpu` takes the stacks in the CPU layout (kernels/cpu_stacks.py: Aᵀ of every slice in
+  one rank-major tensor, each Bᵀ contiguous): one shrink per segment reads x once for every
+  slice (q/k/v, gate/up) instead of once per slice, and no product takes a transposed operand;
 - segments of >= meta's padded_max_len tokens (prefill chunks) are multiplied one by one at
   the adapter's own rank, x_seg @ A[slot, :r].T @ B[slot, :, :r].T; contiguous ones read x
   and add into out through views (addmm_ in place), scattered ones gather and index_add_;
 - shorter segments (decode tokens) go together: rows padded to [slots, longest, in] and one
   bmm per shrink and per expanded slice, since on a CPU a small matmul costs more in call
-  overhead than in FLOPs.
+  overhead than in FLOPs; a decode step laid out by slot with equally many tokens per adapter
+  needs no padding, gather or scatter at all (its rows are the batch).
 The stacks' dtype is the compute dtype (the engine's matmul plan picks the model dtype or fp32
 per CPU, inference/layers/matmul_plan.py): x is converted to it once per call, and a delta in
 another dtype than out joins out with one rounding.
@@ -34,26 +37,19 @@ and the CPU tests can switch Triton to its interpreter before it is imported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
-from kernels.checks import check_add_lora_args, check_expand_args, check_shrink_args
+from kernels.checks import (
+    check_add_lora_args,
+    check_cpu_stacks_args,
+    check_expand_args,
+    check_shrink_args,
+)
+from kernels.cpu_stacks import CpuStacks, cpu_stacks
 from kernels.metadata import LoRABatchMetadata, PaddedBatch, Segment
 
-__all__ = ["FusedA", "add_lora", "lora_expand", "lora_shrink"]
-
-
-class FusedA(NamedTuple):
-    """The A stacks of all S slices of a projection as one CPU tensor, rank-major:
-
-        a_all [max_loras, max_rank, S, in]      slice s's stack is a_all[:, :, s]
-
-    so a slot's A at rank r, a_all[slot, :r], is one contiguous [r·S, in] matrix. `index[i]` is
-    the slice (in a_all) of the i-th stack passed to add_lora."""
-
-    a_all: torch.Tensor
-    index: tuple[int, ...]
+__all__ = ["CpuStacks", "add_lora", "add_lora_cpu", "cpu_stacks", "lora_expand", "lora_shrink"]
 
 
 def add_lora(
@@ -63,7 +59,6 @@ def add_lora(
     b_stacked: Sequence[torch.Tensor],
     meta: LoRABatchMetadata,
     slice_offsets: Sequence[int] | None = None,
-    fused: FusedA | None = None,
 ) -> None:
     """out[t, off_s : off_s + n_s] += x[t] @ A_s[slot, :r].T @ B_s[slot, :, :r].T for every token
     t with an adapter (slot = meta.token_slots[t], r its rank), every slice s; rows with slot -1
@@ -71,9 +66,8 @@ def add_lora(
     max_rank, in], b_stacked[s] [max_loras, n_s, max_rank], all in one dtype (fp32/bf16/fp16);
     on the CPU the weights' dtype may differ from x's and out's (a bf16 model's base linear may
     run in fp32, its LoRA stacks may be kept in fp32; the delta joins out with one rounding).
-    `fused` (CPU only): the stacks are views of one FusedA tensor; the shrink is then one product.
     On CUDA the shrunk activations stay float32 between the two products."""
-    offsets = check_add_lora_args(out, x, a_stacked, b_stacked, meta, slice_offsets, fused)
+    offsets = check_add_lora_args(out, x, a_stacked, b_stacked, meta, slice_offsets)
     if not meta.has_lora:
         return
     if meta.device.type == "cuda":
@@ -84,7 +78,20 @@ def add_lora(
         triton_lora.launch_shrink(x, list(a_stacked), meta, y)
         triton_lora.launch_expand(y, list(b_stacked), meta, out, offsets)
         return
-    _add_lora_torch(out, x, list(a_stacked), list(b_stacked), meta, offsets, fused)
+    b_t = [b.transpose(1, 2) for b in b_stacked]  # [max_loras, max_rank, n_s] views
+    _add_lora_torch(out, x, list(a_stacked), b_t, meta, offsets, None)
+
+
+def add_lora_cpu(out: torch.Tensor, x: torch.Tensor, stacks: CpuStacks, meta: LoRABatchMetadata) -> None:
+    """add_lora for stacks kept in the CPU layout (kernels/cpu_stacks.py, what LoRALinear holds
+    on the CPU): out[t, offsets[s] : offsets[s] + n_s] += the delta of slice s, for the slices
+    stacks.index. One shrink product per segment (or padded batch) for every slice, and only
+    the per-call checks (the stacks' layout was checked when they were made)."""
+    check_cpu_stacks_args(out, x, stacks, meta)
+    if meta.has_lora:
+        b_t = [stacks.b_t[s] for s in stacks.index]
+        offsets = [stacks.offsets[s] for s in stacks.index]
+        _add_lora_torch(out, x, None, b_t, meta, offsets, stacks)
 
 
 def lora_shrink(
@@ -143,43 +150,53 @@ def lora_expand(
 def _add_lora_torch(
     out: torch.Tensor,
     x: torch.Tensor,
-    a_list: list[torch.Tensor],
-    b_list: list[torch.Tensor],
+    a_list: list[torch.Tensor] | None,
+    b_t: list[torch.Tensor],
     meta: LoRABatchMetadata,
     offsets: list[int],
-    fused: FusedA | None,
+    stacks: CpuStacks | None,
 ) -> None:
+    """a_list: the A stacks (None with `stacks`, the CpuStacks that hold them); b_t: each
+    slice's Bᵀ [max_loras, max_rank, n_s] (contiguous in CpuStacks, else a transposed view)."""
+    stack_dtype = stacks.a_t.dtype if stacks is not None else a_list[0].dtype
     # The wider of x's and the stacks' dtypes (the plan keeps them equal: then nothing converts).
-    xw = x.to(torch.promote_types(x.dtype, a_list[0].dtype))  # [T, in], converted once if at all
-    covers_all = sum(b.shape[1] for b in b_list) == out.shape[1]
+    xw = x.to(torch.promote_types(x.dtype, stack_dtype))  # [T, in], converted once if at all
+    covers_all = sum(b.shape[2] for b in b_t) == out.shape[1]
     for seg in meta.long_segments:
-        _add_segment(out, xw, a_list, b_list, seg, offsets, covers_all, fused)
+        _add_segment(out, xw, a_list, b_t, seg, offsets, covers_all, stacks)
     if meta.padded is not None:
-        _add_padded(out, xw, a_list, b_list, meta.padded, offsets, covers_all, fused)
+        _add_padded(out, xw, a_list, b_t, meta.padded, offsets, covers_all, stacks)
+
+
+def _split_slices(y: torch.Tensor, rank: int, stacks: CpuStacks) -> list[torch.Tensor]:
+    """y [..., r·S] rank-major (column r·S + s) -> the adapted slices' [..., r], each contiguous
+    (a strided one slows the expand's product)."""
+    num_slices = len(stacks.b_t)
+    if num_slices == 1:
+        return [y]
+    y = y.view(*y.shape[:-1], rank, num_slices).movedim(-1, 0).contiguous()  # [S, ..., r]
+    return [y[s] for s in stacks.index]
 
 
 def _shrink(
-    xs: torch.Tensor, a_list: list[torch.Tensor], slot: int, rank: int, fused: FusedA | None
+    xs: torch.Tensor, a_list: list[torch.Tensor] | None, slot: int, rank: int, stacks: CpuStacks | None
 ) -> list[torch.Tensor]:
-    """xs [n, in] -> per slice [n, r] = xs @ A_s[slot, :r].T; with `fused`, one product."""
-    if fused is None:
+    """xs [n, in] -> per slice [n, r] = xs @ A_s[slot, :r].T; with CpuStacks, one product."""
+    if stacks is None:
         return [xs @ a[slot, :rank].to(xs.dtype).T for a in a_list]
-    num_slices = fused.a_all.shape[2]
-    a = fused.a_all[slot, :rank].reshape(rank * num_slices, -1).to(xs.dtype)  # [r·S, in], a view
-    # [n, r·S] -> [S, n, r]: each slice's y contiguous (a strided one slows the expand's GEMM)
-    y = (xs @ a.T).view(xs.shape[0], rank, num_slices).permute(2, 0, 1).contiguous()
-    return [y[s] for s in fused.index]
+    a_t = stacks.a_t[slot, :, : rank * len(stacks.b_t)].to(xs.dtype)  # [in, r·S], a view
+    return _split_slices(xs @ a_t, rank, stacks)
 
 
 def _add_segment(
     out: torch.Tensor,
     xw: torch.Tensor,
-    a_list: list[torch.Tensor],
-    b_list: list[torch.Tensor],
+    a_list: list[torch.Tensor] | None,
+    b_t: list[torch.Tensor],
     seg: Segment,
     offsets: list[int],
     covers_all: bool,
-    fused: FusedA | None,
+    stacks: CpuStacks | None,
 ) -> None:
     """One adapter's tokens at its own rank; contiguous tokens (a prefill chunk) are read and
     added to in place through views, scattered ones gathered and scattered back."""
@@ -192,13 +209,14 @@ def _add_segment(
     else:
         xs, rows = xw.index_select(0, seg.token_ids), None
         delta = _delta_buffer(out, seg.length, covers_all, xw.dtype)  # [n, out_features]
-    ys = _shrink(xs, a_list, seg.slot, seg.rank, fused)
-    for y, b, off in zip(ys, b_list, offsets, strict=True):
-        bt = b[seg.slot, :, : seg.rank].to(xw.dtype).T  # [r, n_s]
+    ys = _shrink(xs, a_list, seg.slot, seg.rank, stacks)
+    for y, bt_all, off in zip(ys, b_t, offsets, strict=True):
+        bt = bt_all[seg.slot, : seg.rank].to(xw.dtype)  # [r, n_s]
+        width = bt.shape[1]
         if rows is None:
-            torch.matmul(y, bt, out=delta[:, off : off + b.shape[1]])
+            torch.matmul(y, bt, out=delta[:, off : off + width])
         else:
-            acc[:, off : off + b.shape[1]].addmm_(y, bt)
+            acc[:, off : off + width].addmm_(y, bt)
     if rows is None:
         _scatter_add(out, seg.token_ids, delta)
     elif acc is not rows:
@@ -208,40 +226,62 @@ def _add_segment(
 def _add_padded(
     out: torch.Tensor,
     xw: torch.Tensor,
-    a_list: list[torch.Tensor],
-    b_list: list[torch.Tensor],
+    a_list: list[torch.Tensor] | None,
+    b_t: list[torch.Tensor],
     batch: PaddedBatch,
     offsets: list[int],
     covers_all: bool,
-    fused: FusedA | None,
+    stacks: CpuStacks | None,
 ) -> None:
     """All short segments at once: their tokens padded to [G, m, in] (padding rows repeat a
     real row; their results are dropped), one bmm per shrink and per slice's expand at the
-    batch's largest rank (weights beyond a slot's rank are zero)."""
+    batch's largest rank (weights beyond a slot's rank are zero). When the segments are one
+    run of rows of equal length (a decode step the engine laid out by slot), the padded batch
+    is that run itself: no gather, and each slice's product is added straight into its rows."""
     groups, m, r = batch.slots.numel(), batch.max_len, batch.max_rank
-    x_pad = xw.index_select(0, batch.pad_src).view(groups, m, xw.shape[1])  # [G, m, in]
-    delta = _delta_buffer(out, batch.token_ids.numel(), covers_all, xw.dtype)  # [n, out_features]
+    n = batch.token_ids.numel()
+    unpadded = batch.token_range is not None and groups * m == n
 
     def per_group(stack: torch.Tensor) -> torch.Tensor:  # [max_loras, ...] -> [G, ...]
         return stack if batch.all_slots else stack.index_select(0, batch.slots)
 
-    if fused is None:
+    if unpadded:
+        x_pad = xw[batch.token_range[0] : batch.token_range[1]].view(groups, m, xw.shape[1])
+    else:
+        x_pad = xw.index_select(0, batch.pad_src).view(groups, m, xw.shape[1])  # [G, m, in]
+    if stacks is None:
         ys = [torch.bmm(x_pad, per_group(a)[:, :r].to(xw.dtype).transpose(1, 2)) for a in a_list]  # [G, m, r]
     else:
-        num_slices = fused.a_all.shape[2]
-        a_g = per_group(fused.a_all)[:, :r].reshape(groups, r * num_slices, xw.shape[1]).to(xw.dtype)  # [G, r·S, in]
-        y = torch.bmm(x_pad, a_g.transpose(1, 2)).view(groups, m, r, num_slices)  # [G, m, r, S]
-        y = y.permute(3, 0, 1, 2).contiguous()  # [S, G, m, r]: each slice's y contiguous
-        ys = [y[s] for s in fused.index]
-    for y, b, off in zip(ys, b_list, offsets, strict=True):
-        d = torch.bmm(y, per_group(b)[:, :, :r].to(xw.dtype).transpose(1, 2))  # [G, m, n_s]
-        width = b.shape[1]
+        a_g = per_group(stacks.a_t)[:, :, : r * len(stacks.b_t)].to(xw.dtype)  # [G, in, r·S]
+        ys = _split_slices(torch.bmm(x_pad, a_g), r, stacks)  # per slice [G, m, r]
+    if unpadded:
+        lo, hi = batch.token_range
+        rows = out[lo:hi]  # [n, out_features]
+        acc = rows if rows.dtype == xw.dtype else rows.to(xw.dtype)  # fp32 stacks: round once
+        for y, bt, off in zip(ys, b_t, offsets, strict=True):
+            d = torch.bmm(y, per_group(bt)[:, :r].to(xw.dtype))  # [G, m, n_s]
+            acc[:, off : off + d.shape[2]].add_(d.view(n, d.shape[2]))
+        if acc is not rows:
+            rows.copy_(acc)
+        return
+    delta = _delta_buffer(out, n, covers_all, xw.dtype)  # [n, out_features]
+    for y, bt, off in zip(ys, b_t, offsets, strict=True):
+        d = torch.bmm(y, per_group(bt)[:, :r].to(xw.dtype))  # [G, m, n_s]
+        width = d.shape[2]
         torch.index_select(d.reshape(groups * m, width), 0, batch.pad_rows,
                            out=delta[:, off : off + width])  # fmt: skip
     if batch.token_range is not None:  # one run of rows: added in place (rounded once)
-        out[batch.token_range[0] : batch.token_range[1]].add_(delta)
+        _add_rounded(out[batch.token_range[0] : batch.token_range[1]], delta)
     else:
         _scatter_add(out, batch.token_ids, delta)
+
+
+def _add_rounded(rows: torch.Tensor, delta: torch.Tensor) -> None:
+    """rows += delta, rounding once to rows' dtype (delta may be wider)."""
+    if rows.dtype == delta.dtype:
+        rows.add_(delta)
+    else:
+        rows.copy_(delta.add_(rows))
 
 
 def _delta_buffer(out: torch.Tensor, rows: int, covers_all: bool, dtype: torch.dtype) -> torch.Tensor:

@@ -8,12 +8,13 @@ down_proj) the layer holds a stack over the device slots, zero beyond each adapt
 
     A_s [max_loras, max_rank, in_features]     B_s [max_loras, n_s, max_rank]   (scale in B)
 
-On the CPU the A stacks of all slices are views of one rank-major tensor
+On the CPU both are views of the kernels' CpuStacks (kernels/cpu_stacks.py): every slice's Aᵀ
+in one rank-major tensor and each slice's Bᵀ contiguous,
 
-    A_all [max_loras, max_rank, S, in_features]       A_s = A_all[:, :, s]
+    A_t [max_loras, in_features, max_rank·S]   A_s = A_t[:, :, s::S]ᵀ      B_s = B_t[s]ᵀ
 
-so a slot's A at rank r is one contiguous [r·S, in] matrix and one shrink reads x once for
-every slice of a fused projection (q/k/v, gate/up). The stacks' dtype is the plan's LoRA dtype
+so one shrink reads x once for every slice of a fused projection (q/k/v, gate/up) and no
+product takes a transposed operand. The stacks' dtype is the plan's LoRA dtype
 (fp32 where this CPU multiplies fp32 faster: converted once when a slot fills, never per step).
 
 Until `create_slots` runs (the engine does when LoRA is enabled) there are no stacks and it
@@ -35,7 +36,8 @@ import torch
 
 from inference.layers.linear import Linear, upcasts_to_fp32
 from inference.layers.matmul_plan import linear_fp32
-from kernels.lora_ops import FusedA, add_lora
+from kernels.cpu_stacks import CpuStacks, cpu_stacks
+from kernels.lora_ops import add_lora, add_lora_cpu
 from kernels.metadata import LoRABatchMetadata
 
 # (a [r, in_features], b [n_s, r] with the scale folded in) for one slice, or None: not adapted
@@ -63,10 +65,10 @@ class LoRALinear(Linear):
         self.lora_b: list[torch.Tensor] = []  # per slice [max_loras, n_s, max_rank]
         # Slots with weights in each slice. Only slices some resident adapter adapts are
         # multiplied: an all-q/v fleet pays nothing for k (the kernels take any slice subset).
-        self._a_all: torch.Tensor | None = None  # CPU: [max_loras, max_rank, S, in_features]
+        self._cpu_stacks: CpuStacks | None = None  # CPU: the memory lora_a / lora_b view
         self._filled: list[set[int]] = []
-        # (A stacks, B stacks, column offsets, fused A) of the filled slices; None: nothing to add.
-        self._live: tuple[list[torch.Tensor], list[torch.Tensor], list[int], FusedA | None] | None = None
+        # The filled slices' stacks (see _Live); None: nothing to add.
+        self._live: _Live | None = None
 
     # -- slots (the slot manager, on the engine's step thread) ------------------------------
     def create_slots(
@@ -75,19 +77,19 @@ class LoRALinear(Linear):
         """Preallocate zeroed stacks for `max_loras` adapters of rank up to `max_rank`, in `dtype`
         (the LoRA compute dtype)."""
         if device.type == "cpu":
-            num_slices = len(self.output_sizes)
-            self._a_all = torch.zeros(max_loras, max_rank, num_slices, self.in_features, dtype=dtype)
-            self.lora_a = [self._a_all[:, :, s] for s in range(num_slices)]  # [max_loras, max_rank, in] views
+            self._cpu_stacks, self.lora_a, self.lora_b = cpu_stacks(
+                max_loras, max_rank, self.in_features, self.output_sizes, dtype
+            )
         else:  # the Triton kernels take one contiguous stack per slice
-            self._a_all = None
+            self._cpu_stacks = None
             self.lora_a = [
                 torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=device)
                 for _ in self.output_sizes
             ]
-        self.lora_b = [
-            torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
-            for n in self.output_sizes
-        ]
+            self.lora_b = [
+                torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
+                for n in self.output_sizes
+            ]
         self._filled = [set() for _ in self.output_sizes]
         self._refresh()
 
@@ -124,7 +126,7 @@ class LoRALinear(Linear):
                 [self.lora_a[i] for i in live],
                 [self.lora_b[i] for i in live],
                 [self.slice_offsets[i] for i in live],
-                None if self._a_all is None else FusedA(self._a_all, tuple(live)),
+                None if self._cpu_stacks is None else self._cpu_stacks.with_index(live),
             )
             if live
             else None
@@ -137,8 +139,10 @@ class LoRALinear(Linear):
 
     @property
     def lora_nbytes(self) -> int:
-        a_bytes = self._a_all.nbytes if self._a_all is not None else sum(t.nbytes for t in self.lora_a)
-        return a_bytes + sum(t.nbytes for t in self.lora_b)
+        stacks = self._cpu_stacks
+        if stacks is not None:
+            return stacks.a_t.nbytes + sum(t.nbytes for t in stacks.b_t)
+        return sum(t.nbytes for t in self.lora_a) + sum(t.nbytes for t in self.lora_b)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, lora_meta: LoRABatchMetadata | None = None) -> torch.Tensor:
@@ -146,17 +150,29 @@ class LoRALinear(Linear):
         live = self._live
         if lora_meta is None or live is None:
             return super().forward(x)
-        a, b, offsets, fused = live
         if self.packed is None and upcasts_to_fp32(x, self.plan):
             # The plan computes this product in fp32: add the adapters' delta to the fp32
             # product, in place, and round once (no second upcast of x, no [T, out] temporary).
             x32 = x.float()  # [T, in]
             out32 = linear_fp32(x32, self.weight, self.bias, self.weight32)  # [T, out] fp32
-            add_lora(out32, x32, a, b, lora_meta, offsets, fused)
+            _add_delta(live, out32, x32, lora_meta)
             return out32.to(x.dtype)
         out = self.base_product(x)  # [T, out]: native (or a quantised weight's product)
-        add_lora(out, x, a, b, lora_meta, offsets, fused)
+        _add_delta(live, out, x, lora_meta)
         return out
+
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, slice_names={self.slice_names}"
+
+
+# (A stacks, B stacks, column offsets, CPU stacks) of a LoRALinear's adapted slices
+_Live = tuple[list[torch.Tensor], list[torch.Tensor], list[int], CpuStacks | None]
+
+
+def _add_delta(live: _Live, out: torch.Tensor, x: torch.Tensor, lora_meta: LoRABatchMetadata) -> None:
+    a, b, offsets, stacks = live
+    if stacks is not None:  # CPU: the layout add_lora_cpu multiplies fastest
+        add_lora_cpu(out, x, stacks, lora_meta)
+    else:
+        add_lora(out, x, a, b, lora_meta, offsets)

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.lora_ops import FusedA, add_lora
+from kernels.cpu_stacks import cpu_stacks
+from kernels.lora_ops import add_lora_cpu
 from kernels.metadata import build_lora_metadata
 
 NATIVE, FP32_UPCAST, FP32_CACHED = "native", "fp32-upcast", "fp32-cached"
@@ -199,7 +200,7 @@ def linear_fp32(
 def _lora_candidates(
     projections: list[tuple[int, list[int]]], dtype: torch.dtype, rank: int
 ) -> dict[str, Callable[[], object]]:
-    """The engine's own LoRA delta (kernels.lora_ops.add_lora) on the model's projections
+    """The engine's own LoRA delta (kernels.lora_ops.add_lora_cpu) on the model's projections
     (in_features, output slices), added into their native output: 16 decode tokens over 4
     adapters (the padded batch) and a 256-token prefill chunk of one adapter, with the stacks
     in the model dtype vs fp32 (fp32 stacks convert x, and a bf16 output's rows, per call)."""
@@ -210,16 +211,15 @@ def _lora_candidates(
     def candidate(stack_dtype: torch.dtype) -> Callable[[], object]:
         calls = []
         for in_features, sizes in projections:
-            a_all = (torch.randn(slots, rank, len(sizes), in_features) * 0.01).to(stack_dtype)
-            a = [a_all[:, :, s] for s in range(len(sizes))]
-            b = [(torch.randn(slots, n, rank) * 0.01).to(stack_dtype) for n in sizes]
-            offsets = [sum(sizes[:s]) for s in range(len(sizes))]
-            fused = FusedA(a_all, tuple(range(len(sizes))))
+            fused, _, _ = cpu_stacks(slots, rank, in_features, sizes, stack_dtype)
+            fused.a_t.normal_(std=0.01)
+            for bt in fused.b_t:
+                bt.normal_(std=0.01)
             for meta in steps:
                 x = torch.randn(meta.num_tokens, in_features).to(dtype)
                 out = torch.zeros(meta.num_tokens, sum(sizes), dtype=dtype)
-                calls.append((out, x, a, b, meta, offsets, fused))
-        return lambda: [add_lora(*call) for call in calls]
+                calls.append((out, x, fused, meta))
+        return lambda: [add_lora_cpu(*call) for call in calls]
 
     return {str(dtype).removeprefix("torch."): candidate(dtype), "float32": candidate(torch.float32)}
 

@@ -89,22 +89,65 @@ def _bad(cases: dict, key: str):
     return args, message
 
 
-def test_add_lora_rejects_a_fused_tensor_that_is_not_the_stacks():
+def cpu_stacks_args():
+    """valid()'s stacks copied into the CPU layout (kernels/cpu_stacks.py)."""
     args = valid()
-    a_all = torch.stack(args["a"], dim=2).contiguous()  # [slots, rank, 2, in]
-    views = [a_all[:, :, s] for s in range(2)]
-    lora_ops.add_lora(args["out"], args["x"], views, args["b"], args["meta"], args["offsets"],
-                      lora_ops.FusedA(a_all, (0, 1)))  # fmt: skip
-    out_before = args["out"].clone()
-    for fused, message in (
-        (lora_ops.FusedA(a_all, (1, 0)), r"a_stacked\[0\] is not fused.a_all\[:, :, 1\]"),
-        (lora_ops.FusedA(a_all, (0,)), "fused.index must name the slice of each of the 2"),
-        (lora_ops.FusedA(a_all, (0, 2)), r"fused.index\[1\] = 2 is not a slice"),
-        (lora_ops.FusedA(a_all[0], (0, 1)), "fused must be a CPU FusedA"),
+    stacks, a, b = lora_ops.cpu_stacks(SLOTS, RANK, IN, WIDTHS, torch.float32)
+    for view, src in zip(a + b, args["a"] + args["b"], strict=True):
+        view.copy_(src)
+    return args, stacks
+
+
+def test_add_lora_cpu_adds_what_add_lora_adds():
+    args, stacks = cpu_stacks_args()
+    before = args["out"].clone()
+    call_add_lora(args, None)
+    got = before.clone()
+    lora_ops.add_lora_cpu(got, args["x"], stacks, args["meta"])
+    torch.testing.assert_close(got, args["out"])
+    assert not torch.equal(before, got)  # something was added
+
+
+def test_add_lora_cpu_rejects_calls_that_do_not_fit_the_stacks():
+    args, stacks = cpu_stacks_args()
+    x, out, meta = args["x"], args["out"], args["meta"]
+    before = out.clone()
+    for call, message in (
+        (lambda: lora_ops.add_lora_cpu(out, x, [stacks.a_t], meta), "stacks must be CpuStacks"),
+        (lambda: lora_ops.add_lora_cpu(out, x[:, :10], stacks, meta), r"x shape \(3, 10\) should be \(3, 24\)"),
+        (lambda: lora_ops.add_lora_cpu(out[:2], x[:2], stacks, meta), r"x shape \(2, 24\) should be \(3, 24\)"),
+        (lambda: lora_ops.add_lora_cpu(out[:, :20], x, stacks, meta), r"out shape \(3, 20\) should be \(3, 32\)"),
+        (lambda: lora_ops.add_lora_cpu(out, x.double(), stacks, meta), "x dtype must be one of"),
+        (lambda: lora_ops.add_lora_cpu(out, x.bfloat16(), stacks, meta), "out dtype torch.float32 differs"),
+        (lambda: lora_ops.add_lora_cpu(out, x, stacks, "meta"), "meta must be a LoRABatchMetadata"),
+        (lambda: lora_ops.add_lora_cpu(
+            out, x, stacks, build_lora_metadata(torch.tensor([0, 1, 2]), torch.tensor([4, 4, 4]))),
+         "stacks has 2 slots but meta.slot_ranks has 3"),  # fmt: skip
+        (lambda: lora_ops.add_lora_cpu(
+            out, x, lora_ops.cpu_stacks(SLOTS, 8, IN, WIDTHS, torch.float32)[0], meta),
+         "stacks max_rank 8 is below the batch's largest rank 16"),  # fmt: skip
     ):
         with pytest.raises(ValueError, match=message):
-            lora_ops.add_lora(args["out"], args["x"], views, args["b"], args["meta"], args["offsets"], fused)
-        assert torch.equal(args["out"], out_before)
+            call()
+        assert torch.equal(out, before)
+
+
+def test_cpu_stacks_refuse_a_bad_layout():
+    for kwargs, message in (
+        ({"output_sizes": []}, "output_sizes must be 1 to 3 widths"),
+        ({"output_sizes": [4, 4, 4, 4]}, "output_sizes must be 1 to 3 widths"),
+        ({"output_sizes": [4, 0]}, "output_sizes must be 1 to 3 widths"),
+        ({"max_rank": 0}, "must be >= 1"),
+        ({"dtype": torch.float64}, "dtype must be float32, bfloat16 or float16"),
+    ):
+        args = {"max_loras": 2, "max_rank": 4, "in_features": 8, "output_sizes": [4, 4], "dtype": torch.float32}
+        with pytest.raises(ValueError, match=message):
+            lora_ops.cpu_stacks(**(args | kwargs))
+    stacks = lora_ops.cpu_stacks(2, 4, 8, [4, 4, 4], torch.float32)[0]
+    assert stacks.with_index([0, 2]).index == (0, 2)
+    for index in ([], [2, 0], [0, 0], [3]):
+        with pytest.raises(ValueError, match="index must name 1 to 3 distinct slices"):
+            stacks.with_index(index)
 
 
 @pytest.mark.parametrize("fn", [triton_lora.lora_shrink, lora_ops.lora_shrink],

@@ -337,19 +337,52 @@ LAYOUTS = [
     pytest.param(TOKEN_SLOTS, id="scattered"),
     pytest.param([0] * 5 + [-1] * 3 + [3] * 9 + [2] * 4 + [1] * 2, id="contiguous"),
     pytest.param([1, 0, -1] + [3] * 34 + [2, 0, -1, 1, 2], id="mixed"),
+    # a decode step laid out by slot, as many tokens per adapter: the batch needs no padding
+    pytest.param([0] * 3 + [1] * 3 + [2] * 3 + [3] * 3 + [-1] * 2, id="by-slot"),
 ]
 
 
+@pytest.mark.parametrize("stacks", ["plain", "cpu-stacks"])
 @pytest.mark.parametrize("padded_max_len", [0, 8, 32])
 @pytest.mark.parametrize("token_slots", LAYOUTS)
 @pytest.mark.parametrize("dtype", [*DTYPES, pytest.param(torch.float16, id="fp16")])
 @pytest.mark.parametrize(("in_features", "widths"), SHAPES)
-def test_cpu_add_lora_matches_reference(in_features, widths, dtype, token_slots, padded_max_len):
+def test_cpu_add_lora_matches_reference(in_features, widths, dtype, token_slots, padded_max_len, stacks):
     case = make_case(
         in_features, widths, dtype, "cpu", token_slots=token_slots, padding=0.0,
         padded_max_len=padded_max_len,
     )  # fmt: skip
-    check_cpu_add_lora(case)
+    check_cpu_add_lora(case, fused=stacks == "cpu-stacks")
+
+
+@pytest.mark.parametrize("token_slots", LAYOUTS)
+@pytest.mark.parametrize("live", [(0, 1, 2), (0, 2), (1,)])
+def test_cpu_stacks_in_fp32_under_bf16_activations_match_reference(token_slots, live):
+    # The engine's layout on a CPU whose plan keeps the stacks in fp32 under a bf16 model, with
+    # only the slices some adapter adapts passed (an all-q/v fleet skips k).
+    case = make_case(64, [40, 24, 17], torch.float32, "cpu", token_slots=token_slots, padding=0.0)
+    stacks = cpu_stacks_of(case).with_index(live)
+    a, b = [case.a_stacked[s] for s in live], [case.b_stacked[s] for s in live]
+    offsets = [stacks.offsets[s] for s in live]
+    x = case.x.bfloat16()
+    out = random_out(case).bfloat16()
+    before = out.clone()
+    lora_ops.add_lora_cpu(out, x, stacks, case.meta)
+    want = before.float()
+    add_lora_ref(want, x.float(), a, b, case.meta, offsets)
+    torch.testing.assert_close(out, want.bfloat16(), **EXPAND_TOL[torch.bfloat16])
+    assert torch.equal(out[case.meta.token_slots < 0], before[case.meta.token_slots < 0])
+
+
+def cpu_stacks_of(case: Case) -> lora_ops.CpuStacks:
+    """The case's stacks copied into the CPU layout the engine keeps (kernels/cpu_stacks.py);
+    its slices back to back in the output."""
+    slots, rank, in_features = case.a_stacked[0].shape
+    widths = [b.shape[1] for b in case.b_stacked]
+    stacks, a, b = lora_ops.cpu_stacks(slots, rank, in_features, widths, case.a_stacked[0].dtype)
+    for view, src in zip(a + b, case.a_stacked + case.b_stacked, strict=True):
+        view.copy_(src)
+    return stacks
 
 
 @pytest.mark.parametrize("padded_max_len", [0, 32])
@@ -362,10 +395,13 @@ def test_cpu_add_lora_slices_apart(in_features, widths, dtype, padded_max_len):
     check_cpu_add_lora(case)
 
 
-def check_cpu_add_lora(case: Case) -> None:
+def check_cpu_add_lora(case: Case, fused: bool = False) -> None:
     out = random_out(case)
     before = out.clone()
-    lora_ops.add_lora(out, case.x, case.a_stacked, case.b_stacked, case.meta, case.offsets)
+    if fused:
+        lora_ops.add_lora_cpu(out, case.x, cpu_stacks_of(case), case.meta)
+    else:
+        lora_ops.add_lora(out, case.x, case.a_stacked, case.b_stacked, case.meta, case.offsets)
     want = before.clone()
     add_lora_ref(want, case.x, case.a_stacked, case.b_stacked, case.meta, case.offsets)
     torch.testing.assert_close(out, want, **EXPAND_TOL[case.x.dtype])
