@@ -36,12 +36,14 @@ model: $(VENV)/.installed
 	$(PY) -m inference.models fetch
 
 run: $(VENV)/.installed
+	@$(PY) -m kernels.cpu_fused
 	$(PY) deploy/local/run.py
 
 test: $(VENV)/.installed-dev
 	@bash deploy/local/ensure-services.sh "$${DATABASE_URL:-$(TEST_DATABASE_URL)}" "$${REDIS_URL:-$(TEST_REDIS_URL)}"
 	@bash deploy/local/ensure-browser.sh $(VENV)
 	$(PY) -m inference.models fetch
+	$(PY) -m kernels.cpu_fused
 	$(VENV)/bin/ruff check .
 	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
 		$(VENV)/bin/lint-imports --no-cache

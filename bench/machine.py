@@ -36,10 +36,14 @@ def machine_line() -> str:
 
 
 def plan_line(engine) -> str:
-    """Which path each shape class took in this engine, and the LoRA stacks' dtype."""
+    """Which path each shape class took in this engine, the LoRA stacks' dtype and kernel."""
     plan = engine.matmul_plan.describe()
     paths = ", ".join(f"{c} {p}" for c, p in plan["paths"].items())
-    return f"matmul plan ({plan['source']}): {paths}; LoRA in {plan['lora_dtype']}"
+    kernel = plan["lora_kernel"]
+    timed = plan["timings_us"].get("lora_kernel")
+    if timed:
+        kernel += " (" + ", ".join(f"{k} {us:.0f} us" for k, us in timed.items()) + ")"
+    return f"matmul plan ({plan['source']}): {paths}; LoRA in {plan['lora_dtype']}, kernel {kernel}"
 
 
 def gflops(fn, flops: float, min_seconds: float = 0.2) -> float:

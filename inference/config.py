@@ -22,6 +22,7 @@ WEIGHTS_DTYPES = ("auto", "int8", "int4")
 
 # inference/layers/matmul_plan.py's paths, named here so reading the config never imports torch
 MATMUL_PATH_CHOICES = ("auto", "native", "fp32-upcast", "fp32-cached")
+LORA_KERNEL_CHOICES = ("auto", "fused", "torch")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -79,6 +80,9 @@ class EngineConfig:
     # How bf16/fp16 products run on the CPU (inference/layers/matmul_plan.py): "auto" measures
     # native vs fp32-upcast vs fp32-cached at start-up per shape class; a path name forces it.
     matmul_path: str = "auto"
+    # The LoRA delta's kernel on the CPU: "auto" times the fused C++ kernel (kernels/cpu_fused.py,
+    # built for this CPU) against torch ops at start-up; "fused" / "torch" forces one.
+    lora_kernel: str = "auto"
     device: str = "cpu"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -105,6 +109,10 @@ class EngineConfig:
         if self.matmul_path not in MATMUL_PATH_CHOICES:
             raise ConfigError(
                 "matmul_path", f"expected one of {', '.join(MATMUL_PATH_CHOICES)}, got {self.matmul_path!r}"
+            )
+        if self.lora_kernel not in LORA_KERNEL_CHOICES:
+            raise ConfigError(
+                "lora_kernel", f"expected one of {', '.join(LORA_KERNEL_CHOICES)}, got {self.lora_kernel!r}"
             )
         if self.weights_dtype not in WEIGHTS_DTYPES:
             raise ConfigError(
@@ -150,7 +158,7 @@ class EngineConfig:
             if var not in env or env[var] == "":
                 continue
             raw = env[var]
-            if f.name in ("model", "dtype", "weights_dtype", "matmul_path", "device"):
+            if f.name in ("model", "dtype", "weights_dtype", "matmul_path", "lora_kernel", "device"):
                 values[f.name] = raw
             elif f.name == "kv_cache_memory":
                 values[f.name] = parse_memory(var, raw)

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import cpu_fused
 from kernels.checks import (
     check_add_lora_args,
     check_cpu_stacks_args,
@@ -82,16 +83,25 @@ def add_lora(
     _add_lora_torch(out, x, list(a_stacked), b_t, meta, offsets, None)
 
 
-def add_lora_cpu(out: torch.Tensor, x: torch.Tensor, stacks: CpuStacks, meta: LoRABatchMetadata) -> None:
+def add_lora_cpu(
+    out: torch.Tensor, x: torch.Tensor, stacks: CpuStacks, meta: LoRABatchMetadata, kernel: str = "torch"
+) -> None:
     """add_lora for stacks kept in the CPU layout (kernels/cpu_stacks.py, what LoRALinear holds
     on the CPU): out[t, offsets[s] : offsets[s] + n_s] += the delta of slice s, for the slices
-    stacks.index. One shrink product per segment (or padded batch) for every slice, and only
-    the per-call checks (the stacks' layout was checked when they were made)."""
+    stacks.index, with only the per-call checks (the stacks' layout was checked when they were
+    made). kernel "fused": one call of the C++ kernel (kernels/cpu_fused.py) when it is loaded
+    and takes these dtypes; "torch" (or no such kernel): one shrink product per segment or
+    padded batch for every slice, and one expand per slice."""
     check_cpu_stacks_args(out, x, stacks, meta)
-    if meta.has_lora:
-        b_t = [stacks.b_t[s] for s in stacks.index]
-        offsets = [stacks.offsets[s] for s in stacks.index]
-        _add_lora_torch(out, x, None, b_t, meta, offsets, stacks)
+    if not meta.has_lora:
+        return
+    offsets = [stacks.offsets[s] for s in stacks.index]
+    op = cpu_fused.loaded_op() if kernel == "fused" else None
+    if op is not None and (x.dtype, stacks.a_t.dtype) in cpu_fused.DTYPES:
+        op(out, x, stacks.a_t, list(stacks.b_t), list(stacks.index), offsets, meta.lora_token_ids,
+           meta.cpu_segments)  # fmt: skip
+        return
+    _add_lora_torch(out, x, None, [stacks.b_t[s] for s in stacks.index], meta, offsets, stacks)
 
 
 def lora_shrink(

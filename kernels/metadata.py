@@ -78,6 +78,8 @@ class LoRABatchMetadata:
     segment_ranks: torch.Tensor  # [S] int32
     tile_info: torch.Tensor  # [N, 4] int32: (start, length <= block_m, slot, rank) per tile
     segments: tuple[Segment, ...]  # host copy of the segments, in slot order
+    # [S, 4] long on the host: (start, length, slot, rank) per segment, for the fused CPU kernel
+    cpu_segments: torch.Tensor
     long_segments: tuple[Segment, ...]  # torch path: segments multiplied one by one
     padded: PaddedBatch | None  # torch path: the other segments, batched (None: there are none)
     max_rank: int  # largest rank among the segments (0 when no token has an adapter)
@@ -156,6 +158,9 @@ def build_lora_metadata(
         segment_ranks=seg_table[3],
         tile_info=tile_info,
         segments=segments,
+        cpu_segments=torch.tensor(
+            [(seg.start, seg.length, seg.slot, seg.rank) for seg in segments], dtype=torch.long
+        ).view(len(segments), 4),
         long_segments=tuple(seg for seg in segments if not any(seg is s for s in short)),
         padded=_padded_batch(short, order, max_loras, device),
         max_rank=max((seg.rank for seg in segments), default=0),

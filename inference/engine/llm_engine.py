@@ -159,9 +159,11 @@ class LLMEngine:
             weights_dtype=config.weights_dtype,
         )  # fmt: skip
         self.model_config = self.model.config
-        # bf16 products on this CPU: native or fp32, measured per shape class (matmul_plan.py)
+        # bf16 products on this CPU: native or fp32, measured per shape class; the LoRA delta's
+        # kernel where adapters are enabled (matmul_plan.py)
         self.matmul_plan = choose_plan(self.model, self.dtype, self.device, config.matmul_path,
-                                       max_rows=config.max_num_batched_tokens)  # fmt: skip
+                                       max_rows=config.max_num_batched_tokens,
+                                       lora_kernel=config.lora_kernel if config.max_loras else "torch")  # fmt: skip
         apply_plan(self.model, self.matmul_plan)
         log.info("matmul plan: %s", json.dumps(self.matmul_plan.describe()))
         self.tokenizer: Tokenizer = load_tokenizer(path)

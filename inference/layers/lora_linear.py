@@ -155,10 +155,10 @@ class LoRALinear(Linear):
             # product, in place, and round once (no second upcast of x, no [T, out] temporary).
             x32 = x.float()  # [T, in]
             out32 = linear_fp32(x32, self.weight, self.bias, self.weight32)  # [T, out] fp32
-            _add_delta(live, out32, x32, lora_meta)
+            _add_delta(live, out32, x32, lora_meta, self.plan.lora_kernel)
             return out32.to(x.dtype)
         out = self.base_product(x)  # [T, out]: native (or a quantised weight's product)
-        _add_delta(live, out, x, lora_meta)
+        _add_delta(live, out, x, lora_meta, self.plan.lora_kernel)
         return out
 
 
@@ -170,9 +170,11 @@ class LoRALinear(Linear):
 _Live = tuple[list[torch.Tensor], list[torch.Tensor], list[int], CpuStacks | None]
 
 
-def _add_delta(live: _Live, out: torch.Tensor, x: torch.Tensor, lora_meta: LoRABatchMetadata) -> None:
+def _add_delta(
+    live: _Live, out: torch.Tensor, x: torch.Tensor, lora_meta: LoRABatchMetadata, kernel: str
+) -> None:
     a, b, offsets, stacks = live
-    if stacks is not None:  # CPU: the layout add_lora_cpu multiplies fastest
-        add_lora_cpu(out, x, stacks, lora_meta)
+    if stacks is not None:  # CPU: the layout add_lora_cpu multiplies fastest, with the plan's kernel
+        add_lora_cpu(out, x, stacks, lora_meta, kernel)
     else:
         add_lora(out, x, a, b, lora_meta, offsets)

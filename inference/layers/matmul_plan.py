@@ -19,7 +19,10 @@ per shape class of the product's row count T:
     prefill  T >= 64        prefill chunks
 
 and, for the LoRA delta (kernels/lora_ops.py), the dtype its stacked A/B are kept and
-multiplied in: the model dtype, or fp32 (converted once at slot fill, not per step).
+multiplied in: the model dtype, or fp32 (converted once at slot fill, not per step); and the
+kernel that computes it: torch ops, or the fused C++ kernel built for this CPU
+(kernels/cpu_fused.py), timed against each other on the model's projections where it builds
+(`--lora-kernel`, env INFERENCE_LORA_KERNEL, forces one).
 
 fp32 models, and CUDA, have nothing to choose: every class is native. `--matmul-path` (env
 INFERENCE_MATMUL_PATH) forces one path for every class (tests run the oracles under each).
@@ -30,11 +33,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_fused
 from kernels.cpu_stacks import cpu_stacks
 from kernels.lora_ops import add_lora_cpu
 from kernels.metadata import build_lora_metadata
@@ -42,6 +46,8 @@ from kernels.metadata import build_lora_metadata
 NATIVE, FP32_UPCAST, FP32_CACHED = "native", "fp32-upcast", "fp32-cached"
 PATHS = (NATIVE, FP32_UPCAST, FP32_CACHED)
 MATMUL_PATH_CHOICES = ("auto", *PATHS)
+TORCH_KERNEL, FUSED_KERNEL = "torch", "fused"  # the CPU's LoRA kernels (CUDA runs Triton's)
+LORA_KERNEL_CHOICES = ("auto", FUSED_KERNEL, TORCH_KERNEL)
 SHAPE_CLASSES = ("decode", "batch", "prefill")
 BATCH_MIN_ROWS = 5
 PREFILL_MIN_ROWS = 64
@@ -71,8 +77,10 @@ class MatmulPlan:
     paths: dict[str, str]  # shape class -> path
     lora_dtype: torch.dtype  # the LoRA stacks' dtype and compute dtype
     source: str  # "measured", "forced" or "fixed" (fp32 model, CUDA: nothing to choose)
-    # shape class -> path -> best seconds for the class's products (the LoRA class: dtype name)
+    # shape class -> path -> best seconds for the class's products (the LoRA class: dtype name;
+    # "lora_kernel": kernel name)
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    lora_kernel: str = TORCH_KERNEL  # "torch" or "fused" on the CPU, "triton" on CUDA
 
     def __post_init__(self) -> None:
         # path by row count as a tuple, for the per-call lookup in Linear.forward
@@ -91,6 +99,7 @@ class MatmulPlan:
             "source": self.source,
             "paths": dict(self.paths),
             "lora_dtype": str(self.lora_dtype).removeprefix("torch."),
+            "lora_kernel": self.lora_kernel,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "timings_us": {c: {p: round(s * 1e6, 1) for p, s in t.items()} for c, t in self.timings.items()},
         }
@@ -127,17 +136,47 @@ def choose_plan(
     device: torch.device,
     requested: str = "auto",
     max_rows: int = CLASS_ROWS["prefill"],
+    lora_kernel: str = TORCH_KERNEL,
 ) -> MatmulPlan:
-    """The plan for this model on this machine: forced, fixed, or measured (see module doc)."""
-    if device.type != "cpu" or dtype == torch.float32:
-        return native_plan(dtype)
-    if requested != "auto":
-        return forced_plan(requested, dtype)
+    """The plan for this model on this machine: forced, fixed, or measured (see module doc);
+    `lora_kernel` (LORA_KERNEL_CHOICES) picks the CPU's LoRA kernel (with_lora_kernel)."""
+    if device.type != "cpu":
+        return replace(native_plan(dtype), lora_kernel="triton")
     weights = _sample_weights(model)
-    if any(w.numel() == 0 for w in weights):  # quantised projections (--weights-dtype): their own kernels
-        return native_plan(dtype)
-    return calibrate(weights, dtype, max_rows=max_rows, allow_cache=_fp32_copy_fits(model),
-                     lora_projections=_lora_projections(model))  # fmt: skip
+    if dtype == torch.float32 or any(w.numel() == 0 for w in weights):
+        # fp32 has nothing to choose; quantised projections (--weights-dtype) run their own kernels
+        plan = native_plan(dtype)
+    elif requested != "auto":
+        plan = forced_plan(requested, dtype)
+    else:
+        plan = calibrate(weights, dtype, max_rows=max_rows, allow_cache=_fp32_copy_fits(model),
+                         lora_projections=_lora_projections(model))  # fmt: skip
+    return with_lora_kernel(plan, lora_kernel, _lora_projections(model), dtype)
+
+
+def with_lora_kernel(
+    plan: MatmulPlan, requested: str, projections: list[tuple[int, list[int]]], dtype: torch.dtype,
+    rank: int = 16,
+) -> MatmulPlan:
+    """`plan` with its CPU LoRA kernel: "torch"; "fused" (RuntimeError where it cannot be built
+    here, the reason given); or "auto": the faster of the two on `projections` (in_features,
+    output slices) with x in `dtype` and the stacks in the plan's LoRA dtype, torch where the
+    fused kernel cannot be built (its first build here takes ~15-35 s, then it is cached)."""
+    if requested not in LORA_KERNEL_CHOICES:
+        raise ValueError(f"lora kernel must be one of {', '.join(LORA_KERNEL_CHOICES)}, got {requested!r}")
+    if requested == TORCH_KERNEL:
+        return replace(plan, lora_kernel=TORCH_KERNEL)
+    op = cpu_fused.fused_op()
+    if requested == FUSED_KERNEL:
+        if op is None:
+            raise RuntimeError(f"lora kernel fused: cannot be built here ({cpu_fused.unavailable_reason()})")
+        return replace(plan, lora_kernel=FUSED_KERNEL)
+    if op is None or (dtype, plan.lora_dtype) not in cpu_fused.DTYPES:
+        return replace(plan, lora_kernel=TORCH_KERNEL)
+    seconds = _race({kernel: _lora_delta(projections, dtype, plan.lora_dtype, rank, kernel)
+                     for kernel in (TORCH_KERNEL, FUSED_KERNEL)})  # fmt: skip
+    kernel = FUSED_KERNEL if seconds[FUSED_KERNEL] < seconds[TORCH_KERNEL] else TORCH_KERNEL
+    return replace(plan, lora_kernel=kernel, timings={**plan.timings, "lora_kernel": seconds})
 
 
 def calibrate(
@@ -165,7 +204,8 @@ def calibrate(
         paths[cls] = _winner(timings[cls])
     # The LoRA stacks take the model dtype only where every product is native and that measures
     # faster; an fp32 product would have to upcast them every step.
-    timings["lora"] = _race(_lora_candidates(lora_projections, dtype, lora_rank))
+    timings["lora"] = _race({str(d).removeprefix("torch."): _lora_delta(lora_projections, dtype, d, lora_rank)
+                             for d in (dtype, torch.float32)})  # fmt: skip
     native_lora = timings["lora"][str(dtype).removeprefix("torch.")] <= timings["lora"]["float32"]
     lora_dtype = dtype if native_lora and set(paths.values()) == {NATIVE} else torch.float32
     return MatmulPlan(paths, lora_dtype, "measured", timings)
@@ -197,31 +237,28 @@ def linear_fp32(
     return out
 
 
-def _lora_candidates(
-    projections: list[tuple[int, list[int]]], dtype: torch.dtype, rank: int
-) -> dict[str, Callable[[], object]]:
-    """The engine's own LoRA delta (kernels.lora_ops.add_lora_cpu) on the model's projections
-    (in_features, output slices), added into their native output: 16 decode tokens over 4
-    adapters (the padded batch) and a 256-token prefill chunk of one adapter, with the stacks
-    in the model dtype vs fp32 (fp32 stacks convert x, and a bf16 output's rows, per call)."""
+def _lora_delta(
+    projections: list[tuple[int, list[int]]], x_dtype: torch.dtype, stack_dtype: torch.dtype, rank: int,
+    kernel: str = TORCH_KERNEL,
+) -> Callable[[], object]:
+    """The engine's own LoRA delta (kernels.lora_ops.add_lora_cpu with `kernel`) on the model's
+    projections (in_features, output slices), added into their output in `x_dtype`: 16 decode
+    tokens over 4 adapters (the padded batch) and a 256-token prefill chunk of one adapter, the
+    stacks in `stack_dtype` (fp32 stacks under bf16 activations convert x and out per call)."""
     slots = 4
     steps = [build_lora_metadata(t, torch.full((slots,), rank))
              for t in (torch.arange(16) // 4, torch.zeros(256, dtype=torch.long))]  # fmt: skip
-
-    def candidate(stack_dtype: torch.dtype) -> Callable[[], object]:
-        calls = []
-        for in_features, sizes in projections:
-            fused, _, _ = cpu_stacks(slots, rank, in_features, sizes, stack_dtype)
-            fused.a_t.normal_(std=0.01)
-            for bt in fused.b_t:
-                bt.normal_(std=0.01)
-            for meta in steps:
-                x = torch.randn(meta.num_tokens, in_features).to(dtype)
-                out = torch.zeros(meta.num_tokens, sum(sizes), dtype=dtype)
-                calls.append((out, x, fused, meta))
-        return lambda: [add_lora_cpu(*call) for call in calls]
-
-    return {str(dtype).removeprefix("torch."): candidate(dtype), "float32": candidate(torch.float32)}
+    calls = []
+    for in_features, sizes in projections:
+        stacks, _, _ = cpu_stacks(slots, rank, in_features, sizes, stack_dtype)
+        stacks.a_t.normal_(std=0.01)
+        for bt in stacks.b_t:
+            bt.normal_(std=0.01)
+        for meta in steps:
+            x = torch.randn(meta.num_tokens, in_features).to(x_dtype)
+            out = torch.zeros(meta.num_tokens, sum(sizes), dtype=x_dtype)
+            calls.append((out, x, stacks, meta, kernel))
+    return lambda: [add_lora_cpu(*call) for call in calls]
 
 
 def _race(candidates: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, float]:

@@ -83,6 +83,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                                          "at start-up and takes the fastest per shape class (decode, batched "
                                          "decode, prefill); native / fp32-upcast / fp32-cached forces one",
                                          "matmul_path"))
+    p.add_argument("--lora-kernel", choices=["auto", "fused", "torch"],
+                   help=engine_flag_help("the LoRA delta's kernel on the CPU: auto times the fused C++ kernel "
+                                         "(built for this CPU on first use) against torch ops at start-up; "
+                                         "fused / torch forces one", "lora_kernel"))
     p.add_argument("--device", help=engine_flag_help("cpu or cuda[:N]", "device"))
     p.add_argument("--max-num-seqs", type=int, help=engine_flag_help("sequences in one batch", "max_num_seqs"))
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -191,7 +195,7 @@ def kv_cache_memory(args: argparse.Namespace) -> int | float | None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {
         "model": model_argument(args), "dtype": args.dtype, "weights_dtype": args.weights_dtype,
-        "matmul_path": args.matmul_path,
+        "matmul_path": args.matmul_path, "lora_kernel": args.lora_kernel,
         "device": args.device, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "kv_cache_memory": kv_cache_memory(args), "enable_prefix_caching": args.enable_prefix_caching,

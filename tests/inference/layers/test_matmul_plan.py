@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from inference.config import MATMUL_PATH_CHOICES, ConfigError, EngineConfig
+from inference.config import LORA_KERNEL_CHOICES, MATMUL_PATH_CHOICES, ConfigError, EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.layers import matmul_plan
 from inference.layers.matmul_plan import (
@@ -18,8 +18,10 @@ from inference.layers.matmul_plan import (
     SHAPE_CLASSES,
     choose_plan,
     forced_plan,
+    with_lora_kernel,
 )
 from inference.models.loader import load_model
+from kernels import cpu_fused
 from tests.inference.models.tiny_llama import write_tiny_checkpoint, write_word_tokenizer
 
 
@@ -120,3 +122,36 @@ def test_the_engine_runs_on_its_plan_and_counts_the_fp32_copies(tiny_dir):
     fp32_bytes = sum(m.weight32.nbytes for m in projections)
     assert cached.memory_stats()["base_weights"] == native.memory_stats()["base_weights"] + fp32_bytes
     assert all(getattr(m, "weight32", None) is None for m in native.model.modules())
+
+
+def test_the_config_knows_every_lora_kernel():
+    assert LORA_KERNEL_CHOICES == matmul_plan.LORA_KERNEL_CHOICES
+    with pytest.raises(ConfigError, match="lora_kernel: expected one of auto, fused, torch"):
+        EngineConfig(lora_kernel="triton")
+    assert EngineConfig.from_env({"INFERENCE_LORA_KERNEL": "torch"}).lora_kernel == "torch"
+
+
+def test_the_lora_kernel_is_forced_or_the_faster_one(tiny_dir):
+    model = load_model(tiny_dir, dtype=torch.bfloat16, progress=False)
+    cpu = torch.device("cpu")
+    assert choose_plan(model, torch.bfloat16, cpu, NATIVE).lora_kernel == "torch"  # the default
+    assert choose_plan(model, torch.bfloat16, cpu, NATIVE, lora_kernel="torch").lora_kernel == "torch"
+    if cpu_fused.fused_op() is None:
+        pytest.skip(f"the fused kernel cannot be built here: {cpu_fused.unavailable_reason()}")
+    assert choose_plan(model, torch.bfloat16, cpu, NATIVE, lora_kernel="fused").lora_kernel == "fused"
+    auto = choose_plan(model, torch.float32, cpu, "auto", lora_kernel="auto")  # fp32: still raced
+    timed = auto.timings["lora_kernel"]
+    assert set(timed) == {"torch", "fused"} and auto.lora_kernel == min(timed, key=timed.get)
+    assert json.loads(json.dumps(auto.describe()))["lora_kernel"] == auto.lora_kernel
+    assert choose_plan(model, torch.bfloat16, torch.device("cuda"), lora_kernel="auto").lora_kernel == "triton"
+
+
+def test_without_a_fused_kernel_auto_takes_torch_and_fused_says_why(tiny_dir, monkeypatch):
+    monkeypatch.setattr(cpu_fused, "_state", {"error": "RuntimeError: no C++ compiler (c++) on PATH"})
+    plan = forced_plan(NATIVE, torch.bfloat16)
+    projections = [(64, [64, 32, 32])]
+    assert with_lora_kernel(plan, "auto", projections, torch.bfloat16).lora_kernel == "torch"
+    with pytest.raises(RuntimeError, match=r"lora kernel fused: cannot be built here \(RuntimeError: no C\+\+ compiler"):
+        with_lora_kernel(plan, "fused", projections, torch.bfloat16)
+    with pytest.raises(ValueError, match="lora kernel must be one of auto, fused, torch"):
+        with_lora_kernel(plan, "fastest", projections, torch.bfloat16)

@@ -174,9 +174,12 @@ def mismatches(outs, expected, routes, indices=None) -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="module")
-def engine(workdir) -> LLMEngine:
-    return make_engine(workdir, max_loras=8, max_cpu_loras=16)
+@pytest.fixture(scope="module", params=["fused", "torch"])
+def engine(workdir, request) -> LLMEngine:
+    """Each CPU LoRA kernel forced: the fused C++ one (kernels/cpu_fused.py) and torch ops."""
+    engine = make_engine(workdir, max_loras=8, max_cpu_loras=16, lora_kernel=request.param)
+    assert engine.matmul_plan.lora_kernel == request.param
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -283,18 +286,24 @@ def peft_first(peft_model, prompts) -> tuple[torch.Tensor, torch.Tensor]:
     return truth, (bf16.gather(1, top5) - truth.gather(1, top5)).abs().amax(1)
 
 
-@pytest.mark.parametrize("path", ["auto", "native", "fp32-upcast", "fp32-cached"])
-def test_bf16_mixed_batch_as_accurate_as_peft_bf16_on_every_matmul_path(workdir, prompts, peft_first, path):
+@pytest.mark.parametrize(
+    ("path", "kernel"),
+    [("auto", "auto"), *((p, k) for p in ("native", "fp32-upcast", "fp32-cached") for k in ("fused", "torch"))],
+)
+def test_bf16_mixed_batch_as_accurate_as_peft_bf16_on_every_matmul_path(workdir, prompts, peft_first, path, kernel):
     """A bf16 engine (the default dtype) on each matmul path, forced or as calibration picks it,
-    LoRA deltas on that path's stacks and dtype. bf16 rounds differently in every
+    LoRA deltas on that path's stacks and dtype, by each CPU LoRA kernel. bf16 rounds differently in every
     implementation, so the oracle is accuracy: over the mixed batch our first-token logprobs of
     PEFT's fp32 top-5 are about as close to the fp32 truth as PEFT's own bf16, and wherever the
     truth's choice is clear of that error our greedy token is the truth's."""
     truth, peft_err = peft_first
-    engine = make_engine(workdir, dtype="bfloat16", matmul_path=path, max_loras=8, max_cpu_loras=16)
+    engine = make_engine(
+        workdir, dtype="bfloat16", matmul_path=path, lora_kernel=kernel, max_loras=8, max_cpu_loras=16
+    )
     if path != "auto":
         assert set(engine.matmul_plan.paths.values()) == {path}
         assert engine.matmul_plan.lora_dtype == (torch.bfloat16 if path == "native" else torch.float32)
+        assert engine.matmul_plan.lora_kernel == kernel
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
     ids = [engine.add_request(p, one, lora=lora_request(workdir, r)) for p, r in zip(prompts, ROUTES, strict=True)]
     done = engine.run_until_done(ids)

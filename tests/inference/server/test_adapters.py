@@ -161,5 +161,9 @@ def test_base_model_route_describes_what_an_adapter_must_match(lora_server):
     for shape_class in ("decode", "batch", "prefill"):
         assert lora_server.metric("loraplex:matmul_plan_info", shape_class=shape_class, path="native") == 1
     assert lora_server.metric("loraplex:matmul_plan_info", shape_class="lora", path="float32") == 1
+    # ... and which kernel adds the LoRA delta (measured: the fused C++ one or torch ops)
+    kernel = body["matmul_plan"]["lora_kernel"]
+    assert kernel in ("fused", "torch")
+    assert lora_server.metric("loraplex:matmul_plan_info", shape_class="lora_kernel", path=kernel) == 1
     # What the portal reads back (protocol.worker_api): every field, none dropped as mistyped.
     assert BaseModelInfo.from_json(body).to_json() == body

@@ -154,6 +154,16 @@ def test_the_matmul_path_flag_forces_the_plan(smollm2_path):
         _serve_args(str(smollm2_path), "--matmul-path", "bf16")
 
 
+def test_the_lora_kernel_flag_forces_the_kernel(smollm2_path):
+    from inference.server.cli import engine_config
+
+    assert engine_config(_serve_args(str(smollm2_path))).lora_kernel == "auto"
+    for kernel in ("fused", "torch"):
+        assert engine_config(_serve_args(str(smollm2_path), "--lora-kernel", kernel)).lora_kernel == kernel
+    with pytest.raises(SystemExit):
+        _serve_args(str(smollm2_path), "--lora-kernel", "triton")
+
+
 def test_enable_lora_is_on_by_default_and_no_enable_lora_serves_the_base_alone(smollm2_path):
     from inference.server.cli import engine_config
 

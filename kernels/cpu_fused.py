@@ -1,0 +1,152 @@
+"""The multi-LoRA delta as one C++ call per projection on the CPU (kernels/csrc/lora_cpu.cpp),
+built on this machine for this machine.
+
+The torch path (kernels/lora_ops.add_lora_cpu) spends ~10 small ops per projection: gathers,
+one shrink and one expand product per slice, conversions, the adds back into out. Each op costs
+a few microseconds of dispatch and threading whatever its FLOPs, and each reads or writes a
+temporary. The fused kernel instead takes blocks of up to 8 tokens of one adapter and does it
+all in registers:
+  - the shrink for every slice at once;
+  - each slice's expand, added into out and rounded once;
+  - bf16 weights converted as they load.
+Tokens are read and written by index, so a scattered batch needs no gather or scatter.
+
+It is built with torch.utils.cpp_extension (g++ and ninja) with -march=native: the compiler
+lowers the kernel's GCC vector types to this CPU's AVX2 or AVX-512. So a build serves only the
+machine it was made on, and the cache key includes the CPU's flags. `python -m kernels.cpu_fused`
+builds it (`make install` runs it; ~35 s on 2 cores) into torch's extension cache
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
+if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the
+torch path serves instead.
+
+Which of the two runs is the engine's matmul plan's choice, measured at start-up
+(inference/layers/matmul_plan.py); INFERENCE_LORA_KERNEL forces one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["DTYPES", "fused_op", "loaded_op", "unavailable_reason"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "lora_cpu.cpp"
+# -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
+# the copy torch already loaded (one OpenMP runtime, torch's thread count).
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+# (activations' dtype, stacks' dtype) the kernel takes; others take the torch path
+DTYPES = frozenset({
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32), (torch.float16, torch.float16),
+})  # fmt: skip
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "op": the loaded op, or "error": why there is none
+
+
+def fused_op() -> Callable[..., None] | None:
+    """torch.ops.loraplex_cpu.add_lora_fused, built and loaded on first use; None where it
+    cannot be built here (see unavailable_reason)."""
+    with _lock:
+        if not _state:
+            try:
+                _state["op"] = _load()
+            except Exception as exc:  # noqa: BLE001 (any build failure means: the torch path)
+                _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                log.warning("fused CPU LoRA kernel unavailable, the torch path serves: %s", _state["error"])
+        return _state.get("op")  # type: ignore[return-value]
+
+
+def loaded_op() -> Callable[..., None] | None:
+    """The op if fused_op() has loaded it, else None; never builds (the per-call check)."""
+    return _state.get("op")  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    """Why fused_op() returned None (None: it has not, or it loaded)."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _load() -> Callable[..., None]:
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
+    start = time.perf_counter()
+    cpp_extension.load(
+        name=f"loraplex_lora_cpu_{_build_key()}",
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        is_python_module=False,
+        verbose=False,
+    )
+    log.info("fused CPU LoRA kernel ready in %.1f s", time.perf_counter() - start)
+    return torch.ops.loraplex_cpu.add_lora_fused
+
+
+def _build_key() -> str:
+    """The source, the flags, torch's version and this CPU's instruction set: a build made for
+    another CPU (or another torch) is never loaded."""
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() + torch.backends.cpu.get_cpu_capability()
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja wheel puts it in the venv's bin, which is not on
+    PATH when the venv's python is run directly."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # the PyPI wheel: requirements
+    except ImportError:
+        return
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def main() -> None:
+    """`python -m kernels.cpu_fused`: build (or find) the kernel for this machine; exit 0 either
+    way (without a compiler the torch path serves), printing which."""
+    start = time.perf_counter()
+    op = fused_op()
+    if op is None:
+        print(f"fused CPU LoRA kernel not built ({unavailable_reason()}); the torch path will serve")
+    else:
+        print(f"fused CPU LoRA kernel ready ({time.perf_counter() - start:.1f} s)")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

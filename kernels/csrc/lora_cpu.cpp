@@ -1,0 +1,290 @@
+// The multi-LoRA delta on the CPU in one call per projection (built and loaded by
+// kernels/cpu_fused.py; kernels/lora_ops.add_lora_cpu calls it):
+//
+//   out[t, off_i + j] += sum_r (x[t] . A_s[slot, r]) * B_s[slot, j, r]     s = slices[i]
+//
+// for every token t of every segment (tokens of one adapter slot, at its rank), reading the
+// stacks in the CPU layout of kernels/cpu_stacks.py:
+//
+//   a_t  [L, in, R*S]      rank-major columns: column r*S + s is row r of slice s's A
+//   b_t  S x [L, R, n_s]   each slice's B transposed
+//
+// Work item: up to MB tokens of one segment. Its shrink h [MB, r*S] (every slice at once) is
+// accumulated in registers, V columns at a time; then each slice's expand, V output columns at
+// a time, is accumulated in registers and added into out (rounded once). Items run in parallel
+// (at::parallel_for). The vector types are GCC's, lowered by -march=native to this CPU's
+// AVX-512 or AVX2 (or whatever it has).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// Floats per vector: one register. With 32 (AVX-512) registers a pass takes NC = 2 vectors of
+// columns for MB tokens (16 accumulators); with 16 (AVX2) one (8 accumulators), or they spill.
+#if defined(__AVX512F__)
+constexpr int V = 16;
+constexpr int NC = 2;
+#else
+constexpr int V = 8;
+constexpr int NC = 1;
+#endif
+typedef float vf __attribute__((vector_size(V * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(V * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(V * sizeof(uint16_t))));
+constexpr int MB = 8;  // tokens per work item: MB vector accumulators stay in registers
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+
+template <typename W>
+inline vf load_v(const W* p) {
+  vf v;
+  for (int i = 0; i < V; ++i) v[i] = to_f(p[i]);
+  return v;
+}
+
+template <>
+inline vf load_v<float>(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(vf));
+  return v;
+}
+
+template <>
+inline vf load_v<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is fp32's top half
+  vh raw;
+  __builtin_memcpy(&raw, p, sizeof(vh));
+  vu bits = __builtin_convertvector(raw, vu) << 16;
+  vf v;
+  __builtin_memcpy(&v, &bits, sizeof(vf));
+  return v;
+}
+
+// o[0:V] = round(o[0:V] + acc): fp32 rows add and store; bf16 ones round to nearest even (NaN
+// stays NaN), as c10::BFloat16 does element by element; others element by element.
+template <typename O>
+inline void add_store(O* o, vf acc) {
+  for (int i = 0; i < V; ++i) o[i] = static_cast<O>(to_f(o[i]) + acc[i]);
+}
+
+template <>
+inline void add_store<float>(float* o, vf acc) {
+  vf v = load_v(o) + acc;
+  __builtin_memcpy(o, &v, sizeof(vf));
+}
+
+template <>
+inline void add_store<c10::BFloat16>(c10::BFloat16* o, vf acc) {
+  vf v = load_v(o) + acc;
+  vu bits;
+  __builtin_memcpy(&bits, &v, sizeof(vu));
+  vu rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+  vu nan = (vu)(v != v);  // all ones where NaN
+  rounded = (rounded & ~nan) | (0x7fc0u & nan);
+  vh out = __builtin_convertvector(rounded, vh);
+  __builtin_memcpy(o, &out, sizeof(vh));
+}
+
+// h[t, c] = sum_k x_t[k] * a[k, c] for c < cols (a's rows lda apart); h rows `cols` apart.
+// NC vectors of columns per pass: each x_t[k] is broadcast once for all NC.
+template <int M, int NC, typename X, typename W>
+inline void shrink_cols(const X* const* xrows, int64_t in, const W* a, int64_t lda, int64_t c0, int64_t cols,
+                        float* h) {
+  vf acc[M][NC];
+  for (int t = 0; t < M; ++t)
+    for (int c = 0; c < NC; ++c) acc[t][c] = vf{};
+  for (int64_t k = 0; k < in; ++k) {
+    vf w[NC];
+    for (int c = 0; c < NC; ++c) w[c] = load_v(a + k * lda + c0 + c * V);
+    for (int t = 0; t < M; ++t) {
+      const float xv = to_f(xrows[t][k]);
+      for (int c = 0; c < NC; ++c) acc[t][c] += xv * w[c];
+    }
+  }
+  for (int t = 0; t < M; ++t)
+    for (int c = 0; c < NC; ++c) __builtin_memcpy(h + t * cols + c0 + c * V, &acc[t][c], sizeof(vf));
+}
+
+template <int M, typename X, typename W>
+void shrink(const X* const* xrows, int64_t in, const W* a, int64_t lda, int64_t cols, float* h) {
+  int64_t c0 = 0;
+  for (; c0 + NC * V <= cols; c0 += NC * V) shrink_cols<M, NC>(xrows, in, a, lda, c0, cols, h);
+  for (; c0 + V <= cols; c0 += V) shrink_cols<M, 1>(xrows, in, a, lda, c0, cols, h);
+  for (; c0 < cols; ++c0) {  // the columns past the last whole vector
+    for (int t = 0; t < M; ++t) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < in; ++k) sum += to_f(xrows[t][k]) * to_f(a[k * lda + c0]);
+      h[t * cols + c0] = sum;
+    }
+  }
+}
+
+// o_t[j] += sum_r h[t, r*S + s] * b[r, j] for j < n (b's rows n apart); h rows hcols apart.
+// NC vectors of output columns per pass: each h value is broadcast once for all NC.
+template <int M, int NC, typename O, typename W>
+inline void expand_cols(O* const* orows, const float* h, int64_t hcols, int64_t S, int64_t s, int64_t rank,
+                        const W* b, int64_t n, int64_t j0) {
+  vf acc[M][NC];
+  for (int t = 0; t < M; ++t)
+    for (int c = 0; c < NC; ++c) acc[t][c] = vf{};
+  for (int64_t r = 0; r < rank; ++r) {
+    vf w[NC];
+    for (int c = 0; c < NC; ++c) w[c] = load_v(b + r * n + j0 + c * V);
+    for (int t = 0; t < M; ++t) {
+      const float hv = h[t * hcols + r * S + s];
+      for (int c = 0; c < NC; ++c) acc[t][c] += hv * w[c];
+    }
+  }
+  for (int t = 0; t < M; ++t)
+    for (int c = 0; c < NC; ++c) add_store(orows[t] + j0 + c * V, acc[t][c]);
+}
+
+template <int M, typename O, typename W>
+void expand(O* const* orows, const float* h, int64_t hcols, int64_t S, int64_t s, int64_t rank,
+            const W* b, int64_t n) {
+  int64_t j0 = 0;
+  for (; j0 + NC * V <= n; j0 += NC * V) expand_cols<M, NC>(orows, h, hcols, S, s, rank, b, n, j0);
+  for (; j0 + V <= n; j0 += V) expand_cols<M, 1>(orows, h, hcols, S, s, rank, b, n, j0);
+  for (; j0 < n; ++j0) {
+    for (int t = 0; t < M; ++t) {
+      float sum = 0.f;
+      for (int64_t r = 0; r < rank; ++r) sum += h[t * hcols + r * S + s] * to_f(b[r * n + j0]);
+      orows[t][j0] = static_cast<O>(to_f(orows[t][j0]) + sum);
+    }
+  }
+}
+
+struct Args {
+  int64_t in, x_pitch, out_pitch, lda, max_rank, num_slices;
+  std::vector<int64_t> slices, offsets, widths;
+};
+
+template <int M, typename X, typename W>
+void item(const Args& g, const X* x, X* out, const int64_t* ids, const W* a_slot,
+          const std::vector<const W*>& b_slot, int64_t rank, float* h) {
+  const X* xrows[M];
+  X* orows[M];
+  for (int t = 0; t < M; ++t) {
+    xrows[t] = x + ids[t] * g.x_pitch;
+    orows[t] = out + ids[t] * g.out_pitch;
+  }
+  const int64_t cols = rank * g.num_slices;  // rank-major: rank r's columns are a prefix
+  shrink<M>(xrows, g.in, a_slot, g.lda, cols, h);
+  for (size_t i = 0; i < g.slices.size(); ++i) {
+    X* o[M];
+    for (int t = 0; t < M; ++t) o[t] = orows[t] + g.offsets[i];
+    expand<M>(o, h, cols, g.num_slices, g.slices[i], rank, b_slot[i], g.widths[i]);
+  }
+}
+
+template <typename X, typename W>
+void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std::vector<at::Tensor>& b_t,
+         Args g, const at::Tensor& token_ids, const at::Tensor& segments) {
+  const X* xp = x.data_ptr<X>();
+  X* op = out.data_ptr<X>();
+  const W* ap = a_t.data_ptr<W>();
+  const int64_t* ids = token_ids.data_ptr<int64_t>();
+  const int64_t* seg = segments.data_ptr<int64_t>();  // [G, 4]: start, length, slot, rank
+  std::vector<std::pair<int64_t, int64_t>> items;     // (segment, its first token of the item)
+  for (int64_t s = 0; s < segments.size(0); ++s)
+    for (int64_t t0 = 0; t0 < seg[s * 4 + 1]; t0 += MB) items.emplace_back(s, t0);
+  std::vector<const W*> b_base;
+  for (int64_t sl : g.slices) b_base.push_back(b_t[sl].data_ptr<W>());
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(MB * g.lda);
+    std::vector<const W*> b_slot(g.slices.size());
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t* sg = seg + items[it].first * 4;
+      const int64_t t0 = items[it].second, slot = sg[2], rank = sg[3];
+      const int64_t m = std::min<int64_t>(MB, sg[1] - t0);
+      const W* a_slot = ap + slot * g.in * g.lda;
+      for (size_t i = 0; i < g.slices.size(); ++i) b_slot[i] = b_base[i] + slot * g.max_rank * g.widths[i];
+      const int64_t* item_ids = ids + sg[0] + t0;
+      switch (m) {
+#define LORAPLEX_ITEM(K) \
+  case K:                \
+    item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data()); \
+    break;
+        LORAPLEX_ITEM(1) LORAPLEX_ITEM(2) LORAPLEX_ITEM(3) LORAPLEX_ITEM(4)
+        LORAPLEX_ITEM(5) LORAPLEX_ITEM(6) LORAPLEX_ITEM(7) LORAPLEX_ITEM(8)
+#undef LORAPLEX_ITEM
+      }
+    }
+  });
+}
+
+// Checks everything the loops rely on (the Python side checks too; this keeps a wrong call
+// from reading or writing out of bounds).
+Args check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std::vector<at::Tensor>& b_t,
+           const std::vector<int64_t>& slices, const std::vector<int64_t>& offsets, const at::Tensor& token_ids,
+           const at::Tensor& segments) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && a_t.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "x [T, in] and out [T, n] expected");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out rows must be contiguous");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out must share a dtype");
+  TORCH_CHECK(a_t.dim() == 3 && a_t.is_contiguous() && a_t.size(1) == x.size(1), "a_t [L, in, R*S] contiguous expected");
+  const int64_t S = static_cast<int64_t>(b_t.size());
+  TORCH_CHECK(S >= 1 && a_t.size(2) % S == 0, "a_t's columns must be max_rank * len(b_t)");
+  Args g{x.size(1), x.stride(0), out.stride(0), a_t.size(2), a_t.size(2) / S, S, slices, offsets, {}};
+  for (const auto& b : b_t) {
+    TORCH_CHECK(b.dim() == 3 && b.is_contiguous() && b.scalar_type() == a_t.scalar_type() &&
+                    b.size(0) == a_t.size(0) && b.size(1) == g.max_rank && b.device().is_cpu(),
+                "each b_t must be [L, max_rank, n_s], contiguous, in a_t's dtype");
+  }
+  TORCH_CHECK(slices.size() == offsets.size() && !slices.empty(), "one offset per slice");
+  for (size_t i = 0; i < slices.size(); ++i) {
+    TORCH_CHECK(slices[i] >= 0 && slices[i] < S, "slice index out of range");
+    g.widths.push_back(b_t[slices[i]].size(2));
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + g.widths[i] <= out.size(1), "slice columns outside out");
+  }
+  TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && token_ids.is_contiguous(),
+              "token_ids: contiguous int64 [n]");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4 &&
+                  segments.is_contiguous(),
+              "segments: contiguous int64 [G, 4]");
+  const int64_t* ids = token_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < token_ids.size(0); ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < x.size(0), "token id out of range");
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  for (int64_t s = 0; s < segments.size(0); ++s) {
+    const int64_t start = seg[s * 4], length = seg[s * 4 + 1], slot = seg[s * 4 + 2], rank = seg[s * 4 + 3];
+    TORCH_CHECK(start >= 0 && length >= 1 && start + length <= token_ids.size(0), "segment outside token_ids");
+    TORCH_CHECK(slot >= 0 && slot < a_t.size(0) && rank >= 1 && rank <= g.max_rank, "segment slot or rank out of range");
+  }
+  return g;
+}
+
+void add_lora_fused(at::Tensor out, const at::Tensor& x, const at::Tensor& a_t, std::vector<at::Tensor> b_t,
+                    std::vector<int64_t> slices, std::vector<int64_t> offsets, const at::Tensor& token_ids,
+                    const at::Tensor& segments) {
+  Args g = check(out, x, a_t, b_t, slices, offsets, token_ids, segments);
+  const auto xs = x.scalar_type(), ws = a_t.scalar_type();
+#define LORAPLEX_RUN(XT, WT, X, W) \
+  if (xs == XT && ws == WT) return run<X, W>(out, x, a_t, b_t, std::move(g), token_ids, segments);
+  LORAPLEX_RUN(at::kFloat, at::kFloat, float, float)
+  LORAPLEX_RUN(at::kFloat, at::kBFloat16, float, c10::BFloat16)
+  LORAPLEX_RUN(at::kBFloat16, at::kFloat, c10::BFloat16, float)
+  LORAPLEX_RUN(at::kBFloat16, at::kBFloat16, c10::BFloat16, c10::BFloat16)
+  LORAPLEX_RUN(at::kHalf, at::kFloat, c10::Half, float)
+  LORAPLEX_RUN(at::kHalf, at::kHalf, c10::Half, c10::Half)
+#undef LORAPLEX_RUN
+  TORCH_CHECK(false, "unsupported dtypes: x ", xs, ", stacks ", ws);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loraplex_cpu, m) {
+  m.def(
+      "add_lora_fused(Tensor(a!) out, Tensor x, Tensor a_t, Tensor[] b_t, int[] slices, int[] offsets, "
+      "Tensor token_ids, Tensor segments) -> ()");
+  m.impl("add_lora_fused", c10::DispatchKey::CPU, &add_lora_fused);
+}

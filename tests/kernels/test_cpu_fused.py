@@ -1,0 +1,143 @@
+"""The fused C++ LoRA kernel (kernels/cpu_fused.py): built here wherever a C++ compiler is, equal
+to the reference on every layout and dtype the engine uses, refusing calls that would read or
+write out of bounds, and standing aside (the torch path serves) where it cannot be built."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import cpu_fused, lora_ops
+from kernels.metadata import build_lora_metadata
+from kernels.reference import add_lora_ref
+
+HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+
+
+@pytest.fixture(scope="module")
+def op():
+    op = cpu_fused.fused_op()
+    if op is None and not HAS_COMPILER:
+        pytest.skip(f"no C++ compiler here: {cpu_fused.unavailable_reason()}")
+    assert op is not None, f"a C++ compiler is here but the kernel did not build: {cpu_fused.unavailable_reason()}"
+    return op
+
+
+def stacks_with(weights_dtype, widths=(40, 24, 17), in_features=64, ranks=(8, 16, 3, 16), seed=0):
+    """CpuStacks of random adapters (zero beyond each slot's rank) and the plain stacks they hold."""
+    gen = torch.Generator().manual_seed(seed)
+    max_rank = max(ranks)
+    stacks, a_views, b_views = lora_ops.cpu_stacks(len(ranks), max_rank, in_features, list(widths), weights_dtype)
+    for a, b in zip(a_views, b_views, strict=True):
+        for slot, r in enumerate(ranks):
+            a[slot, :r] = torch.randn(r, in_features, generator=gen) / in_features**0.5
+            b[slot, :, :r] = torch.randn(b.shape[1], r, generator=gen) / r**0.5
+    plain_a = [a.contiguous() for a in a_views]
+    plain_b = [b.contiguous() for b in b_views]
+    return stacks, plain_a, plain_b, torch.tensor(ranks)
+
+
+LAYOUTS = {
+    "decode by slot": [0] * 8 + [1] * 8 + [2] * 8 + [3] * 8,
+    "scattered": [3, -1, 0, 2, 1, 3, -1, 2, 0, 1, 3, -1, 1, 3, 0],
+    "prefill chunk and decode": [1] * 37 + [0, 2, -1, 3],
+    "one stream": [2],
+}
+DTYPES = [  # (activations, stacks): what the matmul plan can pair
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("live", [(0, 1, 2), (0, 2)])
+def test_fused_kernel_equals_the_reference(op, layout, x_dtype, w_dtype, live):
+    stacks, a, b, ranks = stacks_with(w_dtype)
+    stacks = stacks.with_index(live)
+    meta = build_lora_metadata(torch.tensor(LAYOUTS[layout]), ranks)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(meta.num_tokens, stacks.in_features, generator=gen).to(x_dtype)
+    out = torch.randn(meta.num_tokens, stacks.out_features, generator=gen).to(x_dtype)
+    before = out.clone()
+    lora_ops.add_lora_cpu(out, x, stacks, meta, kernel="fused")
+    want = before.float()
+    add_lora_ref(want, x.float(), [a[s].float() for s in live], [b[s].float() for s in live], meta,
+                 [stacks.offsets[s] for s in live])  # fmt: skip
+    tol = {"atol": 1e-5, "rtol": 1e-5} if x_dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out.float(), want, **tol)
+    no_adapter = meta.token_slots < 0
+    assert torch.equal(out[no_adapter], before[no_adapter]), "a base-only row changed"
+    skipped = [c for s in set(range(3)) - set(live) for c in range(stacks.offsets[s], stacks.offsets[s] + b[s].shape[1])]
+    assert torch.equal(out[:, skipped], before[:, skipped]), "a slice outside index changed"
+
+
+def test_fused_kernel_rounds_a_bf16_row_once_and_keeps_nan(op):
+    stacks, _, _, ranks = stacks_with(torch.float32, widths=(32,), in_features=16, ranks=(4,))
+    meta = build_lora_metadata(torch.tensor([0, 0]), ranks)
+    x = torch.randn(2, 16).bfloat16()
+    out = torch.zeros(2, 32, dtype=torch.bfloat16)
+    out[1, 5] = float("nan")
+    lora_ops.add_lora_cpu(out, x, stacks, meta, kernel="fused")
+    want = torch.zeros(2, 32)
+    add_lora_ref(want, x.float(), [stacks.a_t[:, :, 0::1].transpose(1, 2)], [stacks.b_t[0].transpose(1, 2)], meta)
+    assert torch.equal(out[0], want[0].bfloat16())  # fp32 sum, then one round to nearest even
+    assert torch.isnan(out[1, 5]) and not torch.isnan(out[1, :5]).any()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda k: k | {"token_ids": torch.tensor([0, 99])}, "token id out of range"),
+        (lambda k: k | {"segments": torch.tensor([[0, 2, 7, 4]])}, "slot or rank out of range"),
+        (lambda k: k | {"segments": torch.tensor([[0, 2, 0, 99]])}, "slot or rank out of range"),
+        (lambda k: k | {"segments": torch.tensor([[1, 2, 0, 4]])}, "segment outside token_ids"),
+        (lambda k: k | {"offsets": [20]}, "slice columns outside out"),
+        (lambda k: k | {"slices": [3], "offsets": [0]}, "slice index out of range"),
+        (lambda k: k | {"x": k["x"].double()}, "x and out must share a dtype"),
+        (lambda k: k | {"a_t": k["a_t"][:, :8]}, "a_t"),
+        (lambda k: k | {"b_t": [k["b_t"][0][:, :2]]}, "each b_t must be"),
+        (lambda k: k | {"token_ids": torch.tensor([0, 1], dtype=torch.int32)}, "token_ids"),
+    ],
+)
+def test_fused_kernel_refuses_a_call_that_would_reach_outside_its_tensors(op, change, message):
+    stacks, _, _, _ = stacks_with(torch.float32, widths=(32,), in_features=16, ranks=(4,))
+    kwargs = {
+        "out": torch.zeros(2, 32), "x": torch.randn(2, 16), "a_t": stacks.a_t, "b_t": list(stacks.b_t),
+        "slices": [0], "offsets": [0], "token_ids": torch.tensor([0, 1]),
+        "segments": torch.tensor([[0, 2, 0, 4]]),
+    }  # fmt: skip
+    kwargs = change(kwargs)
+    before = kwargs["out"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        op(**kwargs)
+    assert torch.equal(kwargs["out"], before)
+
+
+def test_without_the_kernel_the_torch_path_serves(monkeypatch):
+    stacks, a, b, ranks = stacks_with(torch.float32)
+    meta = build_lora_metadata(torch.tensor(LAYOUTS["scattered"]), ranks)
+    x = torch.randn(meta.num_tokens, stacks.in_features)
+    monkeypatch.setattr(cpu_fused, "_state", {"error": "RuntimeError: no C++ compiler (c++) on PATH"})
+    assert cpu_fused.fused_op() is None and cpu_fused.loaded_op() is None
+    got = torch.zeros(meta.num_tokens, stacks.out_features)
+    lora_ops.add_lora_cpu(got, x, stacks, meta, kernel="fused")
+    want = torch.zeros_like(got)
+    add_lora_ref(want, x, a, b, meta)
+    torch.testing.assert_close(got, want)
+
+
+def test_the_build_command_says_what_it_did():
+    done = subprocess.run([sys.executable, "-m", "kernels.cpu_fused"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    if HAS_COMPILER:
+        assert "fused CPU LoRA kernel ready" in done.stdout
+    else:
+        assert "not built" in done.stdout and "torch path will serve" in done.stdout
