@@ -24,7 +24,9 @@ Candidates (all produce the same numbers as kernels.reference, checked before ti
     segments_addmm  segments, contiguous ones added straight into out (addmm_), no buffer
     slot_bmm     every slot's tokens padded to the longest segment: two bmm's per slice
     engine       kernels.lora_ops.add_lora_cpu on the stacks in the engine's CPU layout
-                 (kernels/cpu_stacks.py): what LoRALinear calls on the CPU
+                 (kernels/cpu_stacks.py): what LoRALinear calls on the CPU, torch ops
+    engine_fused the same through the fused C++ kernel (kernels/cpu_fused.py; absent where
+                 it cannot be built here)
     dispatcher   kernels.lora_ops.add_lora on plain stacks: segments_addmm for
                  segments of >= 32 tokens, slot_bmm for the shorter ones
 
@@ -42,6 +44,7 @@ from collections.abc import Callable
 import torch
 
 from inference.layers.linear import linear
+from kernels import cpu_fused
 from kernels.cpu_stacks import CpuStacks, cpu_stacks
 from kernels.lora_ops import add_lora, add_lora_cpu
 from kernels.metadata import LoRABatchMetadata, build_lora_metadata
@@ -227,7 +230,7 @@ def dispatcher(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.d
 _ENGINE_STACKS: dict[int, CpuStacks] = {}  # id(a_list[0]) -> its copy in the engine's layout
 
 
-def engine(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype) -> None:
+def engine(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype, kernel: str = "torch") -> None:
     key = id(a_list[0])  # the lists live as long as the run: ids stay theirs
     if key not in _ENGINE_STACKS:
         widths = [b.shape[1] for b in b_list]
@@ -235,7 +238,11 @@ def engine(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype
         for view, src in zip(a_views + b_views, a_list + b_list, strict=True):
             view.copy_(src)
         _ENGINE_STACKS[key] = stacks
-    add_lora_cpu(out, x, _ENGINE_STACKS[key], meta)
+    add_lora_cpu(out, x, _ENGINE_STACKS[key], meta, kernel)
+
+
+def engine_fused(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype) -> None:
+    engine(out, x, a_list, b_list, meta, compute, kernel="fused")
 
 
 CANDIDATES: dict[str, Callable] = {
@@ -248,8 +255,9 @@ CANDIDATES: dict[str, Callable] = {
     "padded": padded,
     "dispatcher": dispatcher,
     "engine": engine,
+    "engine_fused": engine_fused,
 }
-STACK_DTYPE_ONLY = {"dispatcher", "engine"}  # they compute in the stacks' dtype
+STACK_DTYPE_ONLY = {"dispatcher", "engine", "engine_fused"}  # they compute in the stacks' dtype
 
 
 def make_batch(kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -294,6 +302,9 @@ def main() -> None:
     parser.add_argument("--batches", default="decode,decode-by-slot,prefill,mixed")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if cpu_fused.fused_op() is None:
+        CANDIDATES.pop("engine_fused")
+        print(f"fused kernel not built here ({cpu_fused.unavailable_reason()}): engine_fused left out")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, rank {RANK}, "
         f"{MAX_LORAS} slots; ms per decoder block (qkv + o + gate_up + down), median"
