@@ -13,8 +13,11 @@ Stacked weights must be zero beyond each slot's rank (a[s][slot, r:] and b[s][sl
 as the adapter cache leaves them: the Triton kernels never read those entries, but the CPU
 path's batched products run at the batch's largest rank and multiply them.
 
-CPU path, the fastest of the candidates bench/lora_cpu_paths.py measures (per-segment
-matmuls, gathered per-token bmm, padded stacked weights over every slot, and variants):
+CPU: add_lora_cpu(..., kernel="fused") makes one call of the C++ kernel built for this CPU
+(kernels/cpu_fused.py, kernels/csrc/lora_cpu.cpp) where it could be built; the engine's matmul
+plan times it against the torch path below and takes the faster. The torch path, the fastest
+of the torch formulations bench/lora_cpu_paths.py measures (per-segment matmuls, gathered
+per-token bmm, padded stacked weights over every slot, and variants):
 - `add_lora_cpu` takes the stacks in the CPU layout (kernels/cpu_stacks.py: Aᵀ of every slice in
   one rank-major tensor, each Bᵀ contiguous): one shrink per segment reads x once for every
   slice (q/k/v, gate/up) instead of once per slice, and no product takes a transposed operand;
