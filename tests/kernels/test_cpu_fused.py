@@ -141,3 +141,42 @@ def test_the_build_command_says_what_it_did():
         assert "fused CPU LoRA kernel ready" in done.stdout
     else:
         assert "not built" in done.stdout and "torch path will serve" in done.stdout
+
+
+AVX2_CHECK = """
+import torch
+from torch.utils import cpp_extension
+from kernels import cpu_fused, lora_ops
+from kernels.metadata import build_lora_metadata
+from kernels.reference import add_lora_ref
+
+cpu_fused._put_ninja_on_path()
+flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_fused.CFLAGS]
+cpp_extension.load(name="loraplex_lora_cpu_avx2_" + cpu_fused._build_key(), sources=[str(cpu_fused.SOURCE)],
+                   extra_cflags=flags, extra_ldflags=cpu_fused.LDFLAGS, is_python_module=False)
+op = torch.ops.loraplex_cpu.add_lora_fused
+gen = torch.Generator().manual_seed(0)
+stacks, a, b = lora_ops.cpu_stacks(3, 16, 40, [24, 8, 17], torch.bfloat16)
+for view in a + b:
+    view.copy_(torch.randn(view.shape, generator=gen) * 0.2)
+meta = build_lora_metadata(torch.tensor([0] * 11 + [2, -1, 1, 2]), torch.tensor([16, 16, 16]))
+x = torch.randn(15, 40, generator=gen).bfloat16()
+out = torch.randn(15, 49, generator=gen).bfloat16()
+want = out.float()
+op(out, x, stacks.a_t, list(stacks.b_t), [0, 1, 2], list(stacks.offsets), meta.lora_token_ids, meta.cpu_segments)
+add_lora_ref(want, x.float(), [t.float() for t in a], [t.float() for t in b], meta)
+torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1e-2)
+print("avx2 build ok")
+"""
+
+
+@pytest.mark.skipif(
+    "avx2" not in cpu_fused._cpu_flags(), reason="the AVX2 build runs only on an x86 CPU with AVX2"
+)
+def test_the_avx2_build_equals_the_reference_too(op):
+    # Built -march=native, the kernel takes its AVX-512 branch here when the CPU has AVX-512;
+    # an AVX2-only machine compiles the other (8-float vectors, one column vector per pass).
+    # Build that one for x86-64-v3 (AVX2) in a process of its own (one op library a process).
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "avx2 build ok" in done.stdout

@@ -64,11 +64,16 @@ def test_auto_measures_every_class_on_the_models_own_shapes(tiny_dir):
     model = load_model(tiny_dir, dtype=torch.bfloat16, progress=False)
     plan = choose_plan(model, torch.bfloat16, torch.device("cpu"), "auto")
     assert plan.source == "measured" and set(plan.paths) == set(SHAPE_CLASSES)
-    for cls in SHAPE_CLASSES:  # the winner is the fastest measured, by a margin over native
-        times = plan.timings[cls]
+    for cls in SHAPE_CLASSES:
+        # The winner is native unless a path beat it by that path's margin; a later path must
+        # beat the pick by its own margin (fp32-cached, +100% memory, needs 25%): a near tie
+        # keeps the simpler path, so the pick is not always the very fastest time.
+        times, pick = plan.timings[cls], plan.paths[cls]
         assert set(times) == set(PATHS)
-        assert times[plan.paths[cls]] == min(times.values()) or plan.paths[cls] == NATIVE
-        assert times[plan.paths[cls]] <= times[NATIVE]
+        assert pick == NATIVE or times[pick] < matmul_plan.SWITCH_FACTOR[pick] * times[NATIVE]
+        later = PATHS[PATHS.index(pick) + 1 :]
+        assert not any(times[p] < matmul_plan.SWITCH_FACTOR[p] * times[pick] for p in later)
+        assert times[pick] <= times[NATIVE]
     assert set(plan.timings["lora"]) == {"bfloat16", "float32"}
     if set(plan.paths.values()) != {NATIVE}:
         assert plan.lora_dtype == torch.float32
