@@ -160,8 +160,9 @@ def with_lora_kernel(
 ) -> MatmulPlan:
     """`plan` with its CPU LoRA kernel: "torch"; "fused" (RuntimeError where it cannot be built
     here, the reason given); or "auto": the faster of the two on `projections` (in_features,
-    output slices) with x in `dtype` and the stacks in the plan's LoRA dtype, torch where the
-    fused kernel cannot be built (its first build here takes ~15-35 s, then it is cached)."""
+    output slices) with x in `dtype` and the stacks in the plan's LoRA dtype, and the fused one
+    with model-dtype stacks too (taking that dtype when it wins); torch where the fused kernel
+    cannot be built (its first build here takes ~15-35 s, then it is cached)."""
     if requested not in LORA_KERNEL_CHOICES:
         raise ValueError(f"lora kernel must be one of {', '.join(LORA_KERNEL_CHOICES)}, got {requested!r}")
     if requested == TORCH_KERNEL:
@@ -173,10 +174,20 @@ def with_lora_kernel(
         return replace(plan, lora_kernel=FUSED_KERNEL)
     if op is None or (dtype, plan.lora_dtype) not in cpu_fused.DTYPES:
         return replace(plan, lora_kernel=TORCH_KERNEL)
-    seconds = _race({kernel: _lora_delta(projections, dtype, plan.lora_dtype, rank, kernel)
-                     for kernel in (TORCH_KERNEL, FUSED_KERNEL)})  # fmt: skip
-    kernel = FUSED_KERNEL if seconds[FUSED_KERNEL] < seconds[TORCH_KERNEL] else TORCH_KERNEL
-    return replace(plan, lora_kernel=kernel, timings={**plan.timings, "lora_kernel": seconds})
+    candidates = {kernel: _lora_delta(projections, dtype, plan.lora_dtype, rank, kernel)
+                  for kernel in (TORCH_KERNEL, FUSED_KERNEL)}  # fmt: skip
+    # The fused kernel widens model-dtype weights in registers, under fp32 products too, so
+    # model-dtype stacks (half fp32's bytes, read every step) are a candidate even where the
+    # plan kept fp32 stacks for the torch path's sake.
+    narrow = f"{FUSED_KERNEL}-{str(dtype).removeprefix('torch.')}"
+    if plan.lora_dtype != dtype and {(dtype, dtype), (torch.float32, dtype)} <= cpu_fused.DTYPES:
+        candidates[narrow] = _lora_delta(projections, dtype, dtype, rank, FUSED_KERNEL)
+    seconds = _race(candidates)
+    best = min(seconds, key=seconds.get)
+    timings = {**plan.timings, "lora_kernel": seconds}
+    if best == narrow:
+        return replace(plan, lora_kernel=FUSED_KERNEL, lora_dtype=dtype, timings=timings)
+    return replace(plan, lora_kernel=best, timings=timings)
 
 
 def calibrate(

@@ -149,6 +149,13 @@ def test_the_lora_kernel_is_forced_or_the_faster_one(tiny_dir):
     assert set(timed) == {"torch", "fused"} and auto.lora_kernel == min(timed, key=timed.get)
     assert json.loads(json.dumps(auto.describe()))["lora_kernel"] == auto.lora_kernel
     assert choose_plan(model, torch.bfloat16, torch.device("cuda"), lora_kernel="auto").lora_kernel == "triton"
+    # Under fp32 products the torch path keeps fp32 stacks; the fused kernel may take bf16 ones
+    upcast = choose_plan(model, torch.bfloat16, cpu, "fp32-upcast", lora_kernel="auto")
+    timed = upcast.timings["lora_kernel"]
+    assert set(timed) == {"torch", "fused", "fused-bfloat16"}
+    best = min(timed, key=timed.get)
+    assert upcast.lora_kernel == best.split("-")[0]
+    assert upcast.lora_dtype == (torch.bfloat16 if best == "fused-bfloat16" else torch.float32)
 
 
 def test_without_a_fused_kernel_auto_takes_torch_and_fused_says_why(tiny_dir, monkeypatch):
