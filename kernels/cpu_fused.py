@@ -14,7 +14,7 @@ Tokens are read and written by index, so a scattered batch needs no gather or sc
 It is built with torch.utils.cpp_extension (g++ and ninja) with -march=native: the compiler
 lowers the kernel's GCC vector types to this CPU's AVX2 or AVX-512. So a build serves only the
 machine it was made on, and the cache key includes the CPU's flags. `python -m kernels.cpu_fused`
-builds it (`make install` runs it; ~35 s on 2 cores) into torch's extension cache
+builds it (`make run` and `make test` run it; 16 s quiet on 2 cores) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
 if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the
 torch path serves instead.
