@@ -66,7 +66,8 @@ def fused_op() -> Callable[..., None] | None:
             try:
                 _state["op"] = _load()
             except Exception as exc:  # noqa: BLE001 (any build failure means: the torch path)
-                _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                lines = str(exc).strip().splitlines() or [""]  # a compiler's log: its last line
+                _state["error"] = f"{type(exc).__name__}: {lines[-1]}"
                 log.warning("fused CPU LoRA kernel unavailable, the torch path serves: %s", _state["error"])
         return _state.get("op")  # type: ignore[return-value]
 

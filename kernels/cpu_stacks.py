@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -53,7 +54,13 @@ class CpuStacks:
 
     @property
     def max_rank(self) -> int:
-        return self.a_t.shape[2] // len(self.b_t)
+        return self.a_t.shape[2] // self.num_slices
+
+    @cached_property
+    def adapted(self) -> tuple[list[torch.Tensor], list[int]]:
+        """(each indexed slice's Bᵀ, its first column of the output): what every call reads,
+        derived once per index."""
+        return [self.b_t[s] for s in self.index], [self.offsets[s] for s in self.index]
 
     @property
     def out_features(self) -> int:

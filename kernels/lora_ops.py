@@ -98,13 +98,12 @@ def add_lora_cpu(
     check_cpu_stacks_args(out, x, stacks, meta)
     if not meta.has_lora:
         return
-    offsets = [stacks.offsets[s] for s in stacks.index]
+    b_t, offsets = stacks.adapted
     op = cpu_fused.loaded_op() if kernel == "fused" else None
     if op is not None and (x.dtype, stacks.a_t.dtype) in cpu_fused.DTYPES:
-        op(out, x, stacks.a_t, list(stacks.b_t), list(stacks.index), offsets, meta.lora_token_ids,
-           meta.cpu_segments)  # fmt: skip
+        op(out, x, stacks.a_t, stacks.b_t, stacks.index, offsets, meta.lora_token_ids, meta.cpu_segments)
         return
-    _add_lora_torch(out, x, None, [stacks.b_t[s] for s in stacks.index], meta, offsets, stacks)
+    _add_lora_torch(out, x, None, b_t, meta, offsets, stacks)
 
 
 def lora_shrink(
@@ -184,10 +183,9 @@ def _add_lora_torch(
 def _split_slices(y: torch.Tensor, rank: int, stacks: CpuStacks) -> list[torch.Tensor]:
     """y [..., r·S] rank-major (column r·S + s) -> the adapted slices' [..., r], each contiguous
     (a strided one slows the expand's product)."""
-    num_slices = len(stacks.b_t)
-    if num_slices == 1:
+    if stacks.num_slices == 1:
         return [y]
-    y = y.view(*y.shape[:-1], rank, num_slices).movedim(-1, 0).contiguous()  # [S, ..., r]
+    y = y.view(*y.shape[:-1], rank, stacks.num_slices).movedim(-1, 0).contiguous()  # [S, ..., r]
     return [y[s] for s in stacks.index]
 
 
@@ -197,7 +195,7 @@ def _shrink(
     """xs [n, in] -> per slice [n, r] = xs @ A_s[slot, :r].T; with CpuStacks, one product."""
     if stacks is None:
         return [xs @ a[slot, :rank].to(xs.dtype).T for a in a_list]
-    a_t = stacks.a_t[slot, :, : rank * len(stacks.b_t)].to(xs.dtype)  # [in, r·S], a view
+    a_t = stacks.a_t[slot, :, : rank * stacks.num_slices].to(xs.dtype)  # [in, r·S], a view
     return _split_slices(xs @ a_t, rank, stacks)
 
 
@@ -265,7 +263,7 @@ def _add_padded(
     if stacks is None:
         ys = [torch.bmm(x_pad, per_group(a)[:, :r].to(xw.dtype).transpose(1, 2)) for a in a_list]  # [G, m, r]
     else:
-        a_g = per_group(stacks.a_t)[:, :, : r * len(stacks.b_t)].to(xw.dtype)  # [G, in, r·S]
+        a_g = per_group(stacks.a_t)[:, :, : r * stacks.num_slices].to(xw.dtype)  # [G, in, r·S]
         ys = _split_slices(torch.bmm(x_pad, a_g), r, stacks)  # per slice [G, m, r]
     if unpadded:
         lo, hi = batch.token_range

@@ -19,6 +19,7 @@ one by one (`long_segments`), short ones (decode tokens) together as one zero-pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -78,8 +79,6 @@ class LoRABatchMetadata:
     segment_ranks: torch.Tensor  # [S] int32
     tile_info: torch.Tensor  # [N, 4] int32: (start, length <= block_m, slot, rank) per tile
     segments: tuple[Segment, ...]  # host copy of the segments, in slot order
-    # [S, 4] long on the host: (start, length, slot, rank) per segment, for the fused CPU kernel
-    cpu_segments: torch.Tensor
     long_segments: tuple[Segment, ...]  # torch path: segments multiplied one by one
     padded: PaddedBatch | None  # torch path: the other segments, batched (None: there are none)
     max_rank: int  # largest rank among the segments (0 when no token has an adapter)
@@ -91,6 +90,13 @@ class LoRABatchMetadata:
     @property
     def num_tiles(self) -> int:
         return self.tile_info.shape[0]
+
+    @cached_property
+    def cpu_segments(self) -> torch.Tensor:
+        """[S, 4] long on the host: (start, length, slot, rank) per segment, what the fused CPU
+        kernel reads; built on first use (CUDA steps and the torch path never ask)."""
+        rows = [(seg.start, seg.length, seg.slot, seg.rank) for seg in self.segments]
+        return torch.tensor(rows, dtype=torch.long).view(len(rows), 4)
 
     @property
     def has_lora(self) -> bool:
@@ -158,9 +164,6 @@ def build_lora_metadata(
         segment_ranks=seg_table[3],
         tile_info=tile_info,
         segments=segments,
-        cpu_segments=torch.tensor(
-            [(seg.start, seg.length, seg.slot, seg.rank) for seg in segments], dtype=torch.long
-        ).view(len(segments), 4),
         long_segments=tuple(seg for seg in segments if not any(seg is s for s in short)),
         padded=_padded_batch(short, order, max_loras, device),
         max_rank=max((seg.rank for seg in segments), default=0),

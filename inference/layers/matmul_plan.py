@@ -142,7 +142,7 @@ def choose_plan(
     `lora_kernel` (LORA_KERNEL_CHOICES) picks the CPU's LoRA kernel (with_lora_kernel)."""
     if device.type != "cpu":
         return replace(native_plan(dtype), lora_kernel="triton")
-    weights = _sample_weights(model)
+    weights, projections = _sample_weights(model), _lora_projections(model)
     if dtype == torch.float32 or any(w.numel() == 0 for w in weights):
         # fp32 has nothing to choose; quantised projections (--weights-dtype) run their own kernels
         plan = native_plan(dtype)
@@ -150,8 +150,8 @@ def choose_plan(
         plan = forced_plan(requested, dtype)
     else:
         plan = calibrate(weights, dtype, max_rows=max_rows, allow_cache=_fp32_copy_fits(model),
-                         lora_projections=_lora_projections(model))  # fmt: skip
-    return with_lora_kernel(plan, lora_kernel, _lora_projections(model), dtype)
+                         lora_projections=projections)  # fmt: skip
+    return with_lora_kernel(plan, lora_kernel, projections, dtype)
 
 
 def with_lora_kernel(
