@@ -12,8 +12,10 @@ all in registers:
 Tokens are read and written by index, so a scattered batch needs no gather or scatter.
 
 It is built with torch.utils.cpp_extension (g++ and ninja) with -march=native: the compiler
-lowers the kernel's GCC vector types to this CPU's AVX2 or AVX-512. So a build serves only the
-machine it was made on, and the cache key includes the CPU's flags. `python -m kernels.cpu_fused`
+lowers the kernel's GCC vector types to this CPU's AVX2 or AVX-512, and where the CPU has
+AVX512-BF16 (Zen 4, Sapphire Rapids) bf16 on bf16 runs on vdpbf16ps pair dot products: twice the
+multiply-adds per instruction, no widening of the activations (1.3-1.7x faster with the stacks
+in cache on a 2-core AMD EPYC). So a build serves only the machine it was made on, and the cache key includes the CPU's flags. `python -m kernels.cpu_fused`
 builds it (`make run` and `make test` run it; 16 s quiet on 2 cores) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
 if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the

@@ -13,15 +13,21 @@
 // accumulated in registers, V columns at a time; then each slice's expand, V output columns at
 // a time, is accumulated in registers and added into out (rounded once). Items run in parallel
 // (at::parallel_for). The vector types are GCC's, lowered by -march=native to this CPU's
-// AVX-512 or AVX2 (or whatever it has).
+// AVX-512 or AVX2 (or whatever it has). Where the CPU has AVX512-BF16, bf16 activations on bf16
+// stacks take the vdpbf16ps path instead (item_dp, below): same loops, bf16 pair dot products.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -82,15 +88,19 @@ inline void add_store<float>(float* o, vf acc) {
   __builtin_memcpy(o, &v, sizeof(vf));
 }
 
-template <>
-inline void add_store<c10::BFloat16>(c10::BFloat16* o, vf acc) {
-  vf v = load_v(o) + acc;
+// fp32 -> bf16, round to nearest even, NaN stays NaN (as c10::BFloat16 rounds one value)
+inline vh round_bf16(vf v) {
   vu bits;
   __builtin_memcpy(&bits, &v, sizeof(vu));
   vu rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
   vu nan = (vu)(v != v);  // all ones where NaN
   rounded = (rounded & ~nan) | (0x7fc0u & nan);
-  vh out = __builtin_convertvector(rounded, vh);
+  return __builtin_convertvector(rounded, vh);
+}
+
+template <>
+inline void add_store<c10::BFloat16>(c10::BFloat16* o, vf acc) {
+  vh out = round_bf16(load_v(o) + acc);
   __builtin_memcpy(o, &out, sizeof(vh));
 }
 
@@ -186,6 +196,142 @@ void item(const Args& g, const X* x, X* out, const int64_t* ids, const W* a_slot
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// bf16 activations on bf16 stacks where the CPU has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire
+// Rapids and later): vdpbf16ps multiplies pairs of bf16 and adds both products into one fp32
+// lane, twice the multiply-adds of an fp32 FMA per instruction, and the activations need no
+// widening (a pair is broadcast as it is). The pairs run along the reduction: rows k and k+1 of
+// a_t for the shrink, rows r and r+1 of b_t for the expand, interleaved as they load (the stacks
+// keep the layout the torch path and the slot writes use). The shrink's h is rounded to bf16
+// before the expand, as torch's and PEFT's bf16 products round it.
+#define LORAPLEX_DPBF16 1
+constexpr int DP = 16;  // output columns per vector: 16 fp32 lanes, each fed one bf16 pair
+
+// 16 columns of two rows interleaved into pairs: element 2j = row0[j], 2j+1 = row1[j]; columns at
+// or past the mask's end read as zero, and so does a missing row1 (null: an odd row count's end).
+inline __m512i pair_rows(const c10::BFloat16* row0, const c10::BFloat16* row1, __mmask16 m, __m512i order) {
+  const __m256i lo = _mm256_maskz_loadu_epi16(m, row0);
+  const __m256i hi = row1 ? _mm256_maskz_loadu_epi16(m, row1) : _mm256_setzero_si256();
+  return _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
+inline __m512i pair_order() {  // output element 2j <- input j, 2j+1 <- input 16 + j
+  alignas(64) int16_t idx[32];
+  for (int j = 0; j < 16; ++j) idx[2 * j] = static_cast<int16_t>(j), idx[2 * j + 1] = static_cast<int16_t>(16 + j);
+  return _mm512_load_si512(idx);
+}
+
+inline __m512i broadcast_pair(const c10::BFloat16* p, bool has_second) {  // (p[0], p[1] or 0)
+  uint32_t v = 0;
+  __builtin_memcpy(&v, p, has_second ? 4 : 2);
+  return _mm512_set1_epi32(static_cast<int>(v));
+}
+
+inline __mmask16 cols_mask(int64_t cols_left) {
+  return cols_left >= DP ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols_left) - 1);
+}
+
+// acc[t][c] += sum over rows k of src_t[k] * w[k, c0 + c*DP : +DP], rows taken in pairs; `rows`
+// rows ldw apart, src_t the t-th row's bf16 values (contiguous in k).
+template <int M, int NB>
+inline void dp_accumulate(__m512 (&acc)[M][NB], const c10::BFloat16* const* src, int64_t rows, const c10::BFloat16* w,
+                          int64_t ldw, int64_t c0, int64_t cols, __m512i order) {
+  __mmask16 m[NB];
+  for (int c = 0; c < NB; ++c) m[c] = cols_mask(cols - c0 - c * DP);
+  for (int t = 0; t < M; ++t)
+    for (int c = 0; c < NB; ++c) acc[t][c] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, bool pair) __attribute__((always_inline)) {
+    __m512i wp[NB];
+    for (int c = 0; c < NB; ++c)
+      wp[c] = pair_rows(w + k * ldw + c0 + c * DP, pair ? w + (k + 1) * ldw + c0 + c * DP : nullptr, m[c], order);
+    for (int t = 0; t < M; ++t) {
+      const __m512i xp = broadcast_pair(src[t] + k, pair);
+      for (int c = 0; c < NB; ++c) acc[t][c] = _mm512_dpbf16_ps(acc[t][c], (__m512bh)xp, (__m512bh)wp[c]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 1 < rows; k += 2) step(k, true);
+  if (k < rows) step(k, false);  // an odd row count: the last row pairs with zero
+}
+
+// One pass over `rows` rows for the output columns [c0, c0 + NB*DP) (fewer at the edge), the
+// accumulators then handed to `store(t, c, acc, mask)`.
+template <int M, int NB, typename Store>
+inline void dp_pass(const c10::BFloat16* const* src, int64_t rows, const c10::BFloat16* w, int64_t ldw, int64_t c0,
+                    int64_t cols, __m512i order, Store store) {
+  __m512 acc[M][NB];
+  dp_accumulate<M, NB>(acc, src, rows, w, ldw, c0, cols, order);
+  for (int t = 0; t < M; ++t)
+    for (int c = 0; c < NB; ++c) store(t, c0 + c * DP, acc[t][c], cols_mask(cols - c0 - c * DP));
+}
+
+// Every output column of w (rows x cols, rows ldw apart) in passes of up to 3 vectors: M x 3
+// accumulators, 3 weight pairs and a broadcast fit AVX-512's 32 registers.
+constexpr int64_t PASS = 3 * DP;
+template <int M, typename Store>
+inline void dp_columns(const c10::BFloat16* const* src, int64_t rows, const c10::BFloat16* w, int64_t ldw,
+                       int64_t cols, __m512i order, Store store) {
+  for (int64_t c0 = 0; c0 < cols; c0 += PASS) {
+    const int64_t left = cols - c0;
+    if (left > 2 * DP)
+      dp_pass<M, 3>(src, rows, w, ldw, c0, cols, order, store);
+    else if (left > DP)
+      dp_pass<M, 2>(src, rows, w, ldw, c0, cols, order, store);
+    else
+      dp_pass<M, 1>(src, rows, w, ldw, c0, cols, order, store);
+  }
+}
+
+// h[t, c] = x_t . a[:, c] for c < cols, as shrink() computes it
+template <int M>
+void shrink_dp(const c10::BFloat16* const* xrows, int64_t in, const c10::BFloat16* a, int64_t lda, int64_t cols,
+               float* h, __m512i order) {
+  const auto store = [&](int t, int64_t c, __m512 acc, __mmask16 m) { _mm512_mask_storeu_ps(h + t * cols + c, m, acc); };
+  dp_columns<M>(xrows, in, a, lda, cols, order, store);
+}
+
+// o[j] = bf16(o[j] + acc[j]) for the 16 columns of mask m (a prefix): vcvtneps2bf16 rounds to
+// nearest even and keeps NaN, as c10::BFloat16 does (fp32 denormals, below 1.2e-38, become 0).
+inline void add_store_dp(c10::BFloat16* o, __m512 acc, __mmask16 m) {
+  const __m512i old = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, o)), 16);
+  const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(old), acc);
+  _mm256_mask_storeu_epi16(o, m, (__m256i)_mm512_cvtneps_pbh(sum));
+}
+
+// o_t[j] += sum_r hb_t[r] * b[r, j] for j < n (b's rows n apart); hb_t: the slice's h, bf16
+template <int M>
+void expand_dp(c10::BFloat16* const* orows, const c10::BFloat16* const* hb, int64_t rank, const c10::BFloat16* b,
+               int64_t n, __m512i order) {
+  const auto store = [&](int t, int64_t j, __m512 acc, __mmask16 m) { add_store_dp(orows[t] + j, acc, m); };
+  dp_columns<M>(hb, rank, b, n, n, order, store);
+}
+
+// item() for bf16 on bf16: h [M, rank*S] fp32, hb [M, max_rank] scratch for one slice's h in bf16
+template <int M>
+void item_dp(const Args& g, const c10::BFloat16* x, c10::BFloat16* out, const int64_t* ids, const c10::BFloat16* a_slot,
+             const std::vector<const c10::BFloat16*>& b_slot, int64_t rank, float* h, c10::BFloat16* hb) {
+  static const __m512i order = pair_order();
+  const c10::BFloat16* xrows[M];
+  c10::BFloat16* orows[M];
+  const c10::BFloat16* hrows[M];
+  for (int t = 0; t < M; ++t) {
+    xrows[t] = x + ids[t] * g.x_pitch;
+    orows[t] = out + ids[t] * g.out_pitch;
+    hrows[t] = hb + t * g.max_rank;
+  }
+  const int64_t cols = rank * g.num_slices;
+  shrink_dp<M>(xrows, g.in, a_slot, g.lda, cols, h, order);
+  for (size_t i = 0; i < g.slices.size(); ++i) {
+    const int64_t s = g.slices[i];
+    for (int t = 0; t < M; ++t)
+      for (int64_t r = 0; r < rank; ++r) hb[t * g.max_rank + r] = c10::BFloat16(h[t * cols + r * g.num_slices + s]);
+    c10::BFloat16* o[M];
+    for (int t = 0; t < M; ++t) o[t] = orows[t] + g.offsets[i];
+    expand_dp<M>(o, hrows, rank, b_slot[i], g.widths[i], order);
+  }
+}
+#endif
+
 template <typename X, typename W>
 void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std::vector<at::Tensor>& b_t,
          Args g, const at::Tensor& token_ids, const at::Tensor& segments) {
@@ -201,6 +347,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
   for (int64_t sl : g.slices) b_base.push_back(b_t[sl].data_ptr<W>());
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> h(MB * g.lda);
+    std::vector<c10::BFloat16> hb(MB * g.max_rank);
     std::vector<const W*> b_slot(g.slices.size());
     for (int64_t it = begin; it < end; ++it) {
       const int64_t* sg = seg + items[it].first * 4;
@@ -210,10 +357,20 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
       for (size_t i = 0; i < g.slices.size(); ++i) b_slot[i] = b_base[i] + slot * g.max_rank * g.widths[i];
       const int64_t* item_ids = ids + sg[0] + t0;
       switch (m) {
+#ifdef LORAPLEX_DPBF16
+#define LORAPLEX_ITEM(K)                                                              \
+  case K:                                                                             \
+    if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) \
+      item_dp<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data(), hb.data());     \
+    else                                                                              \
+      item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data());                   \
+    break;
+#else
 #define LORAPLEX_ITEM(K) \
   case K:                \
     item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data()); \
     break;
+#endif
         LORAPLEX_ITEM(1) LORAPLEX_ITEM(2) LORAPLEX_ITEM(3) LORAPLEX_ITEM(4)
         LORAPLEX_ITEM(5) LORAPLEX_ITEM(6) LORAPLEX_ITEM(7) LORAPLEX_ITEM(8)
 #undef LORAPLEX_ITEM
