@@ -98,15 +98,18 @@ class LoRALinear(Linear):
         if len(weights) != len(self.output_sizes):
             raise ValueError(f"weights: {len(weights)} entries for {len(self.output_sizes)} slices")
         for i, w in enumerate(weights):
-            self.lora_a[i][slot].zero_()
-            self.lora_b[i][slot].zero_()
             if w is None:
+                self.lora_a[i][slot].zero_()
+                self.lora_b[i][slot].zero_()
                 self._filled[i].discard(slot)
                 continue
             a, b = w
             r = a.shape[0]
+            # each element written once: the adapter's rows, then zeros past its rank
             self.lora_a[i][slot, :r].copy_(a, non_blocking=True)  # [r, in]
+            self.lora_a[i][slot, r:].zero_()
             self.lora_b[i][slot, :, :r].copy_(b, non_blocking=True)  # [n_s, r]
+            self.lora_b[i][slot, :, r:].zero_()
             self._filled[i].add(slot)
         self._refresh()
 
@@ -117,6 +120,18 @@ class LoRALinear(Linear):
                 self.lora_b[i][slot].zero_()
                 filled.discard(slot)
         self._refresh()
+
+    def copy_slot(self, slot: int, rank: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every slice's rows of `slot` at `rank`, copied out in `dtype`: per slice (A [rank, in],
+        B [n_s, rank]), views of one copy of the CPU stacks' slot (one contiguous pass for A and
+        one per slice for B, not one strided copy per slice). None where that copy would hold
+        more than those views show (not on the CPU, or `rank` beyond the stacks')."""
+        stacks = self._cpu_stacks
+        if stacks is None or not 1 <= rank <= stacks.max_rank:
+            return None
+        n = stacks.num_slices
+        a_t = stacks.a_t[slot, :, : rank * n].to(dtype, copy=True)  # [in, rank·S], rank-major
+        return [(a_t[:, s::n].T, stacks.b_t[s][slot, :rank].to(dtype, copy=True).T) for s in range(n)]
 
     def _refresh(self) -> None:
         live = [i for i, filled in enumerate(self._filled) if filled]

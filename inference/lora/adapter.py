@@ -108,6 +108,7 @@ def load_adapter(
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     directory = Path(path)
 
+    v.read_ahead(directory / WEIGHTS_FILE)  # the disk reads while the rules run
     check = v.check_adapter(
         name, directory, base_config, max_lora_rank=max_lora_rank, strict=strict_base_match
     )

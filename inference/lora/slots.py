@@ -101,11 +101,26 @@ class LoRASlots:
     def unshare(self, slot: int, adapter: LoRAAdapter) -> None:
         """Before `slot` is cleared or reused: give a shared adapter's A/B memory of their own
         again, the slot rows copied out in the adapter's dtype (exact: they were converted from
-        it), so the host tier still holds it."""
-        for key, w in adapter.weights.items():
-            a, b = self.slot_weights(slot, key, w.rank)
-            w.a.set_(a.to(w.a.dtype, memory_format=torch.contiguous_format, copy=True))
-            w.b.set_(b.to(w.b.dtype, memory_format=torch.contiguous_format, copy=True))
+        it), so the host tier still holds it. A projection whose every slice the adapter adapts
+        at one rank is copied whole (a few contiguous copies: an eviction costs ~1 ms instead
+        of ~8 for one strided copy per module, 9 MiB adapter, 2-core AMD EPYC); the others
+        module by module, so the copy holds nothing the adapter does not."""
+        for layer_idx, projection in self.projections:
+            found = [adapter.weights.get((layer_idx, name)) for name in projection.slice_names]
+            whole = None
+            if all(w is not None for w in found) and len({w.rank for w in found}) == 1:
+                whole = projection.copy_slot(slot, found[0].rank, found[0].a.dtype)
+            for i, w in enumerate(found):
+                if w is None:
+                    continue
+                if whole is not None and whole[i][0].dtype == w.a.dtype == w.b.dtype:
+                    a, b = whole[i]
+                else:
+                    a, b = self.slot_weights(slot, (layer_idx, projection.slice_names[i]), w.rank)
+                    a = a.to(w.a.dtype, memory_format=torch.contiguous_format, copy=True)
+                    b = b.to(w.b.dtype, memory_format=torch.contiguous_format, copy=True)
+                w.a.set_(a)  # [r, in]
+                w.b.set_(b)  # [n_s, r]
 
     # -- per step ----------------------------------------------------------------------------
     def batch_metadata(self, token_slots: torch.Tensor) -> LoRABatchMetadata | None:

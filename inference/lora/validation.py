@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -74,6 +75,27 @@ def check_adapter(
     if check.reasons:
         raise AdapterError(adapter, check.reasons[0])
     return check
+
+
+def read_ahead(path: Path) -> None:
+    """Ask the OS to start reading the regular file `path` into its page cache now
+    (posix_fadvise WILLNEED), so that the disk works while the config, targets and header are
+    judged and read_weights then finds the bytes in memory. Never blocks (a FIFO is not waited
+    on), follows no symlink and reports nothing: the checks that follow judge the file."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

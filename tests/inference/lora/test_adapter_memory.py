@@ -147,14 +147,26 @@ def test_a_weights_file_that_changes_after_the_checks_is_refused(
         load_adapter(path, "a", tiny_config(), max_lora_rank=8)
 
 
+@pytest.fixture(scope="module")
+def root_all(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every projection adapted, k at a rank of its own: projections at one rank (o, gate/up,
+    down: copied out whole) beside a mixed-rank one (q/k/v: module by module)."""
+    return write_base_and_adapters(
+        tmp_path_factory.mktemp("adapter_memory_all"), "ab", 70, r=4, lora_alpha=8, rank_pattern={"k_proj": 2},
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("targets", ["q, v and down at rank 4", "all seven, mixed ranks"])
 @pytest.mark.parametrize(
     ("adapter_dtype", "stack_dtype"),
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
     ids=["fp32", "bf16", "bf16-in-fp32-stacks"],
 )
 def test_slot_sharing_frees_the_host_copy_and_gives_back_the_same_values(
-    root: Path, adapter_dtype: torch.dtype, stack_dtype: torch.dtype
+    request: pytest.FixtureRequest, targets: str, adapter_dtype: torch.dtype, stack_dtype: torch.dtype
 ) -> None:
+    root = request.getfixturevalue("root" if targets.startswith("q, v") else "root_all")
     config = tiny_config()
     slots = LoRASlots(LlamaForCausalLM(config), max_loras=2, max_rank=8, dtype=stack_dtype, device=torch.device("cpu"))
     adapter = load_adapter(root / "a", "a", config, max_lora_rank=8, dtype=adapter_dtype)
@@ -173,3 +185,12 @@ def test_slot_sharing_frees_the_host_copy_and_gives_back_the_same_values(
     for key, w in adapter.weights.items():
         assert w.a.dtype == adapter_dtype and torch.equal(w.a, original[key][0])
         assert torch.equal(w.b, original[key][1])
+        assert w.a.untyped_storage().data_ptr() not in stacks and w.b.untyped_storage().data_ptr() not in stacks
+    # What the copies hold is what the adapter holds: no slot padding, no other adapter's rows.
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for w in adapter.weights.values() for t in (w.a, w.b)}
+    assert sum(held.values()) == adapter.nbytes
+    # Back in a slot it computes what it did before it left.
+    slots.activate(0, adapter)
+    for key, w in adapter.weights.items():
+        a, b = slots.slot_weights(0, key, w.rank)
+        assert torch.equal(a.to(adapter_dtype), original[key][0]) and torch.equal(b.to(adapter_dtype), original[key][1])
