@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", default="20,200", help="lo,hi prompt lengths")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="short prompts (16-64), 16 output tokens, 1 repeat")
     args = ap.parse_args()

@@ -282,11 +282,14 @@ inline void dp_columns(const c10::BFloat16* const* src, int64_t rows, const c10:
   }
 }
 
-// h[t, c] = x_t . a[:, c] for c < cols, as shrink() computes it
+// h[t, c] = bf16(x_t . a[:, c]) for c < cols (h rows `cols` apart): shrink() rounded to bf16
+// as it leaves the registers, as torch's and PEFT's bf16 products round it
 template <int M>
 void shrink_dp(const c10::BFloat16* const* xrows, int64_t in, const c10::BFloat16* a, int64_t lda, int64_t cols,
-               float* h, __m512i order) {
-  const auto store = [&](int t, int64_t c, __m512 acc, __mmask16 m) { _mm512_mask_storeu_ps(h + t * cols + c, m, acc); };
+               c10::BFloat16* h, __m512i order) {
+  const auto store = [&](int t, int64_t c, __m512 acc, __mmask16 m) {
+    _mm256_mask_storeu_epi16(h + t * cols + c, m, (__m256i)_mm512_cvtneps_pbh(acc));
+  };
   dp_columns<M>(xrows, in, a, lda, cols, order, store);
 }
 
@@ -306,25 +309,29 @@ void expand_dp(c10::BFloat16* const* orows, const c10::BFloat16* const* hb, int6
   dp_columns<M>(hb, rank, b, n, n, order, store);
 }
 
-// item() for bf16 on bf16: h [M, rank*S] fp32, hb [M, max_rank] scratch for one slice's h in bf16
+// item() for bf16 on bf16. hb: scratch for M rows of h in bf16 [M, rank*S], then one slice's
+// values made adjacent [M, rank] (h is rank-major: slice s of rank r is column r*S + s)
 template <int M>
 void item_dp(const Args& g, const c10::BFloat16* x, c10::BFloat16* out, const int64_t* ids, const c10::BFloat16* a_slot,
-             const std::vector<const c10::BFloat16*>& b_slot, int64_t rank, float* h, c10::BFloat16* hb) {
+             const std::vector<const c10::BFloat16*>& b_slot, int64_t rank, c10::BFloat16* hb) {
   static const __m512i order = pair_order();
+  const int64_t S = g.num_slices, cols = rank * S;
+  c10::BFloat16* h = hb;
+  c10::BFloat16* slice_h = hb + M * cols;
   const c10::BFloat16* xrows[M];
   c10::BFloat16* orows[M];
   const c10::BFloat16* hrows[M];
   for (int t = 0; t < M; ++t) {
     xrows[t] = x + ids[t] * g.x_pitch;
     orows[t] = out + ids[t] * g.out_pitch;
-    hrows[t] = hb + t * g.max_rank;
+    hrows[t] = S == 1 ? h + t * cols : slice_h + t * rank;
   }
-  const int64_t cols = rank * g.num_slices;
   shrink_dp<M>(xrows, g.in, a_slot, g.lda, cols, h, order);
   for (size_t i = 0; i < g.slices.size(); ++i) {
     const int64_t s = g.slices[i];
-    for (int t = 0; t < M; ++t)
-      for (int64_t r = 0; r < rank; ++r) hb[t * g.max_rank + r] = c10::BFloat16(h[t * cols + r * g.num_slices + s]);
+    if (S > 1)
+      for (int t = 0; t < M; ++t)
+        for (int64_t r = 0; r < rank; ++r) slice_h[t * rank + r] = h[t * cols + r * S + s];
     c10::BFloat16* o[M];
     for (int t = 0; t < M; ++t) o[t] = orows[t] + g.offsets[i];
     expand_dp<M>(o, hrows, rank, b_slot[i], g.widths[i], order);
@@ -347,7 +354,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
   for (int64_t sl : g.slices) b_base.push_back(b_t[sl].data_ptr<W>());
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> h(MB * g.lda);
-    std::vector<c10::BFloat16> hb(MB * g.max_rank);
+    std::vector<c10::BFloat16> hb(MB * (g.lda + g.max_rank));
     std::vector<const W*> b_slot(g.slices.size());
     for (int64_t it = begin; it < end; ++it) {
       const int64_t* sg = seg + items[it].first * 4;
@@ -361,7 +368,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
 #define LORAPLEX_ITEM(K)                                                              \
   case K:                                                                             \
     if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) \
-      item_dp<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data(), hb.data());     \
+      item_dp<K>(g, xp, op, item_ids, a_slot, b_slot, rank, hb.data());               \
     else                                                                              \
       item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data());                   \
     break;
