@@ -36,14 +36,17 @@ def machine_line() -> str:
 
 
 def plan_line(engine) -> str:
-    """Which path each shape class took in this engine, the LoRA stacks' dtype and kernel."""
+    """Which path each shape class took in this engine, the LoRA stacks' dtype and kernel, and
+    the decode attention's kernel (each kernel with its start-up timings where it was raced)."""
     plan = engine.matmul_plan.describe()
     paths = ", ".join(f"{c} {p}" for c, p in plan["paths"].items())
-    kernel = plan["lora_kernel"]
-    timed = plan["timings_us"].get("lora_kernel")
-    if timed:
-        kernel += " (" + ", ".join(f"{k} {us:.0f} us" for k, us in timed.items()) + ")"
-    return f"matmul plan ({plan['source']}): {paths}; LoRA in {plan['lora_dtype']}, kernel {kernel}"
+
+    def kernel(name: str) -> str:
+        timed = plan["timings_us"].get(name)
+        return plan[name] + (" (" + ", ".join(f"{k} {us:.0f} us" for k, us in timed.items()) + ")" if timed else "")
+
+    return (f"matmul plan ({plan['source']}): {paths}; LoRA in {plan['lora_dtype']}, kernel "
+            f"{kernel('lora_kernel')}; decode attention {kernel('attention_kernel')}")  # fmt: skip
 
 
 def gflops(fn, flops: float, min_seconds: float = 0.2) -> float:

@@ -23,6 +23,7 @@ WEIGHTS_DTYPES = ("auto", "int8", "int4")
 # inference/layers/matmul_plan.py's paths, named here so reading the config never imports torch
 MATMUL_PATH_CHOICES = ("auto", "native", "fp32-upcast", "fp32-cached")
 LORA_KERNEL_CHOICES = ("auto", "fused", "torch")
+ATTENTION_KERNEL_CHOICES = ("auto", "fused", "torch")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -83,6 +84,9 @@ class EngineConfig:
     # The LoRA delta's kernel on the CPU: "auto" times the fused C++ kernel (kernels/cpu_fused.py,
     # built for this CPU) against torch ops at start-up; "fused" / "torch" forces one.
     lora_kernel: str = "auto"
+    # How decode rows attend on the CPU (inference/layers/attention_plan.py): "auto" times the
+    # fused C++ paged kernel against torch's gather + SDPA at start-up; "fused" / "torch" forces one.
+    attention_kernel: str = "auto"
     device: str = "cpu"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -113,6 +117,11 @@ class EngineConfig:
         if self.lora_kernel not in LORA_KERNEL_CHOICES:
             raise ConfigError(
                 "lora_kernel", f"expected one of {', '.join(LORA_KERNEL_CHOICES)}, got {self.lora_kernel!r}"
+            )
+        if self.attention_kernel not in ATTENTION_KERNEL_CHOICES:
+            raise ConfigError(
+                "attention_kernel",
+                f"expected one of {', '.join(ATTENTION_KERNEL_CHOICES)}, got {self.attention_kernel!r}",
             )
         if self.weights_dtype not in WEIGHTS_DTYPES:
             raise ConfigError(
@@ -158,7 +167,7 @@ class EngineConfig:
             if var not in env or env[var] == "":
                 continue
             raw = env[var]
-            if f.name in ("model", "dtype", "weights_dtype", "matmul_path", "lora_kernel", "device"):
+            if f.name in ("model", "dtype", "weights_dtype", "matmul_path", "lora_kernel", "attention_kernel", "device"):
                 values[f.name] = raw
             elif f.name == "kv_cache_memory":
                 values[f.name] = parse_memory(var, raw)

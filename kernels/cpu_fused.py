@@ -1,5 +1,9 @@
-"""The multi-LoRA delta as one C++ call per projection on the CPU (kernels/csrc/lora_cpu.cpp),
-built on this machine for this machine.
+"""The CPU's fused C++ kernels, built on this machine for this machine, in one library:
+
+  - the multi-LoRA delta as one call per projection (kernels/csrc/lora_cpu.cpp, fused_op());
+  - the paged decode attention as one call per step's decode rows (kernels/csrc/attention_cpu.cpp,
+    attention_op(): the KV blocks read in place, an online softmax over each row's exact
+    context; the torch path gathers the blocks into a padded buffer for a masked SDPA).
 
 The torch path (kernels/lora_ops.add_lora_cpu) spends ~10 small ops per projection: gathers,
 one shrink and one expand product per slice, conversions, the adds back into out. Each op costs
@@ -15,14 +19,16 @@ It is built with torch.utils.cpp_extension (g++ and ninja) with -march=native: t
 lowers the kernel's GCC vector types to this CPU's AVX2 or AVX-512, and where the CPU has
 AVX512-BF16 (Zen 4, Sapphire Rapids) bf16 on bf16 runs on vdpbf16ps pair dot products: twice the
 multiply-adds per instruction, no widening of the activations (1.3-1.7x faster with the stacks
-in cache on a 2-core AMD EPYC). So a build serves only the machine it was made on, and the cache key includes the CPU's flags. `python -m kernels.cpu_fused`
+in cache on a 2-core AMD EPYC). So a build serves only the machine it was made on, and the
+cache key includes the CPU's flags. `python -m kernels.cpu_fused`
 builds it (`make run` and `make test` run it; 16 s quiet on 2 cores) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
 if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the
 torch path serves instead.
 
-Which of the two runs is the engine's matmul plan's choice, measured at start-up
-(inference/layers/matmul_plan.py); INFERENCE_LORA_KERNEL forces one.
+Which of the two runs is the engine's matmul plan's choice, measured at start-up: for the LoRA
+delta in inference/layers/matmul_plan.py (INFERENCE_LORA_KERNEL forces one), for the decode
+attention in inference/layers/attention_plan.py (INFERENCE_ATTENTION_KERNEL).
 """
 
 from __future__ import annotations
@@ -39,15 +45,21 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPES", "fused_op", "loaded_op", "unavailable_reason"]
+__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "fused_op", "loaded_op", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "lora_cpu.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+# the LoRA delta, and the paged decode attention (attention_op) built into the same library
+SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp"]
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
 # the copy torch already loaded (one OpenMP runtime, torch's thread count).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+
+# dtypes (the cache's, q's, out's) paged_decode_attention takes, head sizes a multiple of 16 up to
+# 256 (the AVX2 build: of 8 up to 128), at most 16 query heads per kv head; others take the torch path
+ATTENTION_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 # (activations' dtype, stacks' dtype) the kernel takes; others take the torch path
 DTYPES = frozenset({
@@ -79,6 +91,16 @@ def loaded_op() -> Callable[..., None] | None:
     return _state.get("op")  # type: ignore[return-value]
 
 
+def attention_op() -> Callable[..., None] | None:
+    """torch.ops.loraplex_cpu.paged_decode_attention where fused_op() has loaded the library,
+    else None; never builds (the per-step check).
+
+    op(out [T, Hq, D], q [T, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
+       rows [n], block_tables [n, max_blocks], context_lens [n], scale): out[rows[i]] = the
+    decode attention of q[rows[i]] over the first context_lens[i] positions of its blocks."""
+    return torch.ops.loraplex_cpu.paged_decode_attention if "op" in _state else None
+
+
 def unavailable_reason() -> str | None:
     """Why fused_op() returned None (None: it has not, or it loaded)."""
     return _state.get("error")  # type: ignore[return-value]
@@ -93,7 +115,7 @@ def _load() -> Callable[..., None]:
     start = time.perf_counter()
     cpp_extension.load(
         name=f"loraplex_lora_cpu_{_build_key()}",
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
         is_python_module=False,
@@ -107,7 +129,8 @@ def _build_key() -> str:
     """The source, the flags, torch's version and this CPU's instruction set: a build made for
     another CPU (or another torch) is never loaded."""
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())

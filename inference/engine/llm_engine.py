@@ -64,6 +64,7 @@ from inference.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inference.engine.stop_checker import StopChecker
 from inference.engine.structured_output import GrammarCache, matcher_error
 from inference.layers.attention import allocate_kv_cache
+from inference.layers.attention_plan import with_attention_kernel
 from inference.layers.linear import apply_plan
 from inference.layers.matmul_plan import choose_plan
 from inference.lora.cache import CacheStats
@@ -164,6 +165,9 @@ class LLMEngine:
         self.matmul_plan = choose_plan(self.model, self.dtype, self.device, config.matmul_path,
                                        max_rows=config.max_num_batched_tokens,
                                        lora_kernel=config.lora_kernel if config.max_loras else "torch")  # fmt: skip
+        cfg = self.model.config
+        self.matmul_plan = with_attention_kernel(self.matmul_plan, config.attention_kernel, cfg.num_attention_heads,
+                                                 cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)  # fmt: skip
         apply_plan(self.model, self.matmul_plan)
         log.info("matmul plan: %s", json.dumps(self.matmul_plan.describe()))
         self.tokenizer: Tokenizer = load_tokenizer(path)
@@ -210,6 +214,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_caches, config.block_size, self.device,
             lora_slots=self.adapters.slots if self.adapters else None,
+            decode_kernel=self.matmul_plan.attention_kernel,
         )  # fmt: skip
         self.sampler = Sampler()
         self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)

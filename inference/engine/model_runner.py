@@ -54,8 +54,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         lora_slots: LoRASlots | None = None,
+        decode_kernel: str = "torch",
     ) -> None:
         self.model = model
+        self.decode_kernel = decode_kernel  # how decode rows attend (AttentionMetadata.decode_kernel)
         self.lora_slots = lora_slots
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -96,7 +98,7 @@ class ModelRunner:
             input_ids=tensor(input_ids),
             positions=tensor(positions),
             attn_meta=build_attention_metadata(
-                seq_lens, query_lens, block_tables, self.block_size, self.device
+                seq_lens, query_lens, block_tables, self.block_size, self.device, self.decode_kernel
             ),
             lora_meta=self._lora_metadata(token_slots),
             sample_rows=tensor(sample_rows),

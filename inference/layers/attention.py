@@ -6,7 +6,9 @@ The cache of one layer is two tensors, k and v, each [num_blocks, block_size, n_
   - decode rows are batched into one SDPA call per length group: their blocks are gathered
     into a padded [n, Hkv, ctx, D] tensor and a boolean mask hides padding; the Hq/Hkv query
     heads that share a kv head ride along as extra query rows, so the KV is never repeated per
-    query head;
+    query head. Where the step's decode_kernel is "fused" (the CPU's C++ kernel, chosen at
+    start-up by inference/layers/attention_plan.py) one call takes every decode row instead,
+    reading the blocks in place;
   - prefill chunks run one SDPA call per sequence: causal over the chunk itself when nothing
     is cached before it, otherwise with a mask shifted by the cached prefix.
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.layers.attention_metadata import AttentionMetadata, DecodeGroup, PrefillSeq
+from kernels import cpu_fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, Hkv, D]
 
@@ -87,12 +90,16 @@ def torch_paged_attention(
     k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
 
-    if len(meta.decode_groups) == 1 and meta.decode_groups[0].rows_slice == slice(0, T):
+    fused = cpu_fused.attention_op() if meta.decode_kernel == "fused" else None
+    if fused is None and len(meta.decode_groups) == 1 and meta.decode_groups[0].rows_slice == slice(0, T):
         return _decode(
             q, k_cache, v_cache, meta.decode_groups[0], meta, scale, 0
         )  # pure decode step
     out = q.new_empty(T, Hq, D)
     for g, group in enumerate(meta.decode_groups):
+        if fused is not None:  # the blocks read in place, each row written where it belongs
+            fused(out, q, k_cache, v_cache, group.rows, group.block_tables, group.context_lens, scale)
+            continue
         o = _decode(q, k_cache, v_cache, group, meta, scale, g)  # [n, Hq, D]
         if group.rows_slice is not None:
             out[group.rows_slice] = o

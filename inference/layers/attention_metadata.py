@@ -24,6 +24,7 @@ class DecodeGroup:
 
     rows: torch.Tensor  # [n] long: row of each decode token in T
     block_tables: torch.Tensor  # [n, max_blocks] long, padded with block 0 (masked out)
+    context_lens: torch.Tensor  # [n] long: positions each row attends (its sequence's length)
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = attend
     rows_slice: slice | None  # the same rows as a slice when they are consecutive (cheaper)
     # Every sequence of the group has this context length (a single stream always): attend
@@ -56,6 +57,10 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     # Gather buffers reused by every layer of the step (allocating them per layer costs page faults).
     workspace: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+    # How decode rows attend: "torch" (gather the blocks, one masked SDPA per group) or "fused"
+    # (the C++ paged kernel of kernels/cpu_fused.py, reading the blocks in place): the matmul
+    # plan's attention_kernel, measured at start-up (inference/layers/matmul_plan.py).
+    decode_kernel: str = "torch"
 
     @property
     def num_decode_tokens(self) -> int:
@@ -74,11 +79,13 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    decode_kernel: str = "torch",
 ) -> AttentionMetadata:
     """Everything the layers need for one step, computed once.
 
     seq_lens[i]: tokens of sequence i once this step's are in; query_lens[i]: how many of them
-    are new this step; block_tables[i]: its blocks, in position order.
+    are new this step; block_tables[i]: its blocks, in position order. decode_kernel: see
+    AttentionMetadata (the fused kernel pads nothing, so its decode rows form one group).
     """
     S = len(seq_lens)
     if S == 0:
@@ -122,7 +129,8 @@ def build_attention_metadata(
     decode_ids = [i for i in range(S) if query_lens[i] == 1]
     decode_groups = [
         _decode_group(ids, seq_lens, loc, table, lens, block_size, device)
-        for ids in _split_by_length(decode_ids, seq_lens, block_size)
+        for ids in (_split_by_length(decode_ids, seq_lens, block_size) if decode_kernel != "fused"
+                    else [decode_ids] if decode_ids else [])
     ]
     prefills = [
         _prefill_seq(
@@ -140,6 +148,7 @@ def build_attention_metadata(
         block_tables=table.to(device),
         decode_groups=decode_groups,
         prefills=prefills,
+        decode_kernel=decode_kernel,
     )
 
 
@@ -177,6 +186,7 @@ def _decode_group(ids, seq_lens, loc, table, lens, block_size, device) -> Decode
     return DecodeGroup(
         rows=rows.to(device),
         block_tables=table[idx, :n_blocks].contiguous().to(device),
+        context_lens=lens[idx].to(device),
         mask=mask[:, None, None, :].to(device),
         rows_slice=slice(first, first + len(ids)) if consecutive else None,
         same_len=longest if all(seq_lens[i] == longest for i in ids) else None,

@@ -152,7 +152,7 @@ from kernels.reference import add_lora_ref
 
 cpu_fused._put_ninja_on_path()
 flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_fused.CFLAGS]
-cpp_extension.load(name="loraplex_lora_cpu_avx2_" + cpu_fused._build_key(), sources=[str(cpu_fused.SOURCE)],
+cpp_extension.load(name="loraplex_lora_cpu_avx2_" + cpu_fused._build_key(), sources=[str(s) for s in cpu_fused.SOURCES],
                    extra_cflags=flags, extra_ldflags=cpu_fused.LDFLAGS, is_python_module=False)
 op = torch.ops.loraplex_cpu.add_lora_fused
 gen = torch.Generator().manual_seed(0)
@@ -166,6 +166,18 @@ want = out.float()
 op(out, x, stacks.a_t, list(stacks.b_t), [0, 1, 2], list(stacks.offsets), meta.lora_token_ids, meta.cpu_segments)
 add_lora_ref(want, x.float(), [t.float() for t in a], [t.float() for t in b], meta)
 torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1e-2)
+
+# the paged decode attention of the same build (8-float vectors) against the torch path
+from inference.layers.attention import torch_paged_attention
+from inference.layers.attention_metadata import build_attention_metadata
+cpu_fused._state["op"] = op  # attention_op() serves what this process loaded
+k_cache, v_cache = (torch.randn(12, 16, 2, 64, generator=gen).bfloat16() for _ in range(2))
+q, k, v = (torch.randn(3, h, 64, generator=gen).bfloat16() for h in (6, 2, 2))
+lens, tables = [5, 100, 33], [[3], [0, 1, 2, 4, 5, 6, 7], [8, 9, 10]]
+got, want = (torch_paged_attention(q, k, v, (k_cache.clone(), v_cache.clone()),
+                                   build_attention_metadata(lens, [1, 1, 1], tables, 16, decode_kernel=kernel), 0.125)
+             for kernel in ("fused", "torch"))
+torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 print("avx2 build ok")
 """
 

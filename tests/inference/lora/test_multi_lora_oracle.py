@@ -176,9 +176,11 @@ def mismatches(outs, expected, routes, indices=None) -> list[str]:
 
 @pytest.fixture(scope="module", params=["fused", "torch"])
 def engine(workdir, request) -> LLMEngine:
-    """Each CPU LoRA kernel forced: the fused C++ one (kernels/cpu_fused.py) and torch ops."""
-    engine = make_engine(workdir, max_loras=8, max_cpu_loras=16, lora_kernel=request.param)
-    assert engine.matmul_plan.lora_kernel == request.param
+    """Each set of CPU kernels forced: the fused C++ ones (kernels/cpu_fused.py: the LoRA delta
+    and the paged decode attention) and torch ops."""
+    engine = make_engine(workdir, max_loras=8, max_cpu_loras=16, lora_kernel=request.param,
+                         attention_kernel=request.param)  # fmt: skip
+    assert engine.matmul_plan.lora_kernel == engine.matmul_plan.attention_kernel == request.param
     return engine
 
 
@@ -292,18 +294,19 @@ def peft_first(peft_model, prompts) -> tuple[torch.Tensor, torch.Tensor]:
 )
 def test_bf16_mixed_batch_as_accurate_as_peft_bf16_on_every_matmul_path(workdir, prompts, peft_first, path, kernel):
     """A bf16 engine (the default dtype) on each matmul path, forced or as calibration picks it,
-    LoRA deltas on that path's stacks and dtype, by each CPU LoRA kernel. bf16 rounds differently in every
+    LoRA deltas on that path's stacks and dtype, by each set of CPU kernels (LoRA delta and decode attention). bf16 rounds differently in every
     implementation, so the oracle is accuracy: over the mixed batch our first-token logprobs of
     PEFT's fp32 top-5 are about as close to the fp32 truth as PEFT's own bf16, and wherever the
     truth's choice is clear of that error our greedy token is the truth's."""
     truth, peft_err = peft_first
     engine = make_engine(
-        workdir, dtype="bfloat16", matmul_path=path, lora_kernel=kernel, max_loras=8, max_cpu_loras=16
+        workdir, dtype="bfloat16", matmul_path=path, lora_kernel=kernel, attention_kernel=kernel, max_loras=8,
+        max_cpu_loras=16,
     )
     if path != "auto":
         assert set(engine.matmul_plan.paths.values()) == {path}
         assert engine.matmul_plan.lora_dtype == (torch.bfloat16 if path == "native" else torch.float32)
-        assert engine.matmul_plan.lora_kernel == kernel
+        assert engine.matmul_plan.lora_kernel == engine.matmul_plan.attention_kernel == kernel
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
     ids = [engine.add_request(p, one, lora=lora_request(workdir, r)) for p, r in zip(prompts, ROUTES, strict=True)]
     done = engine.run_until_done(ids)

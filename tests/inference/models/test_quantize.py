@@ -111,7 +111,10 @@ def test_engine_with_int8_weights_and_a_lora_adapter_stays_close_to_dense(root: 
         share[mode, "a without it"] = top_choice_share(engine, texts["a"], starts, None)
         nbytes[mode] = engine.memory_stats()["base_weights"]
         engine.shutdown()
-    assert share["auto", None] == share["auto", "a"] == 1.0  # greedy text is its own top choice
+    # Greedy text is its own top choice, but for bf16 near-ties: it was decoded by the decode
+    # attention kernel (the fused one accumulates in fp32) and is scored by a prefill (SDPA),
+    # whose roundings differ by ~0.03 in a logprob.
+    assert share["auto", None] >= 0.95 and share["auto", "a"] >= 0.95
     assert share["int8", None] >= 0.9 and share["int8", "a"] >= 0.9
     # the adapter's text is not the base's choice: the share above shows the adapter applied
     assert share["int8", "a without it"] <= 0.6

@@ -165,5 +165,9 @@ def test_base_model_route_describes_what_an_adapter_must_match(lora_server):
     kernel = body["matmul_plan"]["lora_kernel"]
     assert kernel in ("fused", "torch")
     assert lora_server.metric("loraplex:matmul_plan_info", shape_class="lora_kernel", path=kernel) == 1
+    # ... and how decode rows attend (the fused paged kernel or torch's gather + SDPA)
+    attention = body["matmul_plan"]["attention_kernel"]
+    assert attention in ("fused", "torch")
+    assert lora_server.metric("loraplex:matmul_plan_info", shape_class="attention_kernel", path=attention) == 1
     # What the portal reads back (protocol.worker_api): every field, none dropped as mistyped.
     assert BaseModelInfo.from_json(body).to_json() == body

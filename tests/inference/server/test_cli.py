@@ -164,6 +164,16 @@ def test_the_lora_kernel_flag_forces_the_kernel(smollm2_path):
         _serve_args(str(smollm2_path), "--lora-kernel", "triton")
 
 
+def test_the_attention_kernel_flag_forces_the_kernel(smollm2_path):
+    from inference.server.cli import engine_config
+
+    assert engine_config(_serve_args(str(smollm2_path))).attention_kernel == "auto"
+    for kernel in ("fused", "torch"):
+        assert engine_config(_serve_args(str(smollm2_path), "--attention-kernel", kernel)).attention_kernel == kernel
+    with pytest.raises(SystemExit):
+        _serve_args(str(smollm2_path), "--attention-kernel", "sdpa")
+
+
 def test_enable_lora_is_on_by_default_and_no_enable_lora_serves_the_base_alone(smollm2_path):
     from inference.server.cli import engine_config
 

@@ -1,0 +1,309 @@
+// Paged decode attention on the CPU in one call per decode group (built with lora_cpu.cpp by
+// kernels/cpu_fused.py; inference/layers/attention.py calls it):
+//
+//   out[rows[i], h] = softmax(scale * q[rows[i], h] . K_i^T) V_i     over the context_lens[i]
+//                                                                   positions of sequence i
+//
+// with K_i / V_i read in place from the paged cache [num_blocks, block_size, Hkv, D] through
+// block_tables[i]: no gather into a padded buffer, no mask over the padding (what the torch path
+// pays for, its index_select and a masked SDPA, most of a batch-64 decode step's attention).
+//
+// Work item: one (sequence, kv head) with its G = Hq / Hkv query heads, so each K and V row is
+// read once for all of them. Positions run in chunks of CH: the chunk's scores, then an online
+// softmax (running max and sum, the accumulator rescaled when the max grows), then the chunk's
+// V rows added in. Everything in fp32, whatever the cache's dtype; the output rounded once.
+// GCC vector types, lowered by -march=native to AVX-512 or AVX2.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int V = 16;
+#else
+constexpr int V = 8;
+#endif
+typedef float vf __attribute__((vector_size(V * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(V * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(V * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(V * sizeof(uint16_t))));
+constexpr int CH = V;          // positions per chunk: one vector of scores per query head
+constexpr int MAX_D = 16 * V;  // head size bound: 16 vectors (256 with AVX-512, 128 with AVX2)
+constexpr int MAX_G = 16;      // query heads per kv head
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+inline vf load_v(const T* p) {
+  vf v;
+  for (int i = 0; i < V; ++i) v[i] = to_f(p[i]);
+  return v;
+}
+
+template <>
+inline vf load_v<float>(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(vf));
+  return v;
+}
+
+template <>
+inline vf load_v<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is fp32's top half
+  vh raw;
+  __builtin_memcpy(&raw, p, sizeof(vh));
+  vu bits = __builtin_convertvector(raw, vu) << 16;
+  vf v;
+  __builtin_memcpy(&v, &bits, sizeof(vf));
+  return v;
+}
+
+// the sum of v's lanes, as a tree (a loop would chain V dependent adds)
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+#else
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+#endif
+  return v[0] + v[1];
+}
+
+// r[c] = the sum of d[c]'s lanes, for the CH = V vectors of a chunk: a transpose-and-add tree,
+// each level halving the vectors (V - 1 shuffle pairs in all, not a tree per vector)
+inline vf reduce_lanes(vf (&d)[CH]) {
+#if defined(__AVX512F__)
+  vf e[8], f[4], g[2];
+  for (int i = 0; i < 8; ++i)
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    f[i] = __builtin_shufflevector(e[2 * i], e[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(e[2 * i], e[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    g[i] = __builtin_shufflevector(f[2 * i], f[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(f[2 * i], f[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(g[0], g[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(g[0], g[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vf e[4], f[2];
+  for (int i = 0; i < 4; ++i)
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    f[i] = __builtin_shufflevector(e[2 * i], e[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(e[2 * i], e[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(f[0], f[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(f[0], f[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+// exp(x) for x <= 0 (a score minus the running max), relative error ~2e-7: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n put in the exponent bits.
+// Below -87 the result is 0 (what expf gives, to within a denormal).
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.f;
+  x = x < lo ? lo : x;
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (vf{} - 0.5f), vi), vf);
+  // the conversion truncates toward zero; x * log2(e) - 0.5 is negative, so this rounds to nearest
+  const vf r = x - n * 0.693147180559945309f;
+  vf p = vf{} + (1.f / 720.f);
+  p = p * r + (1.f / 120.f);
+  p = p * r + (1.f / 24.f);
+  p = p * r + (1.f / 6.f);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof(vf));
+  vf out = p * scale;
+  return x <= lo ? vf{} : out;
+}
+
+struct Shape {
+  int64_t block_size, hkv, g, d, q_row, q_head, out_row, out_head, table_row;
+  float scale;
+};
+
+// One (sequence, kv head): out_g = softmax over positions of scale * q_g . k_p, times v_p, for
+// its G query heads. DV = D / V vectors per head row, a compile-time count so that a row's
+// vectors stay in registers.
+template <int DV, typename T>
+void item(const Shape& s, const T* q, T* out, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
+          int64_t h) {
+  constexpr int D = DV * V;
+  const int64_t G = s.g;
+  alignas(64) float qs[MAX_G][D];
+  alignas(64) float acc[MAX_G][D];
+  float m[MAX_G], l[MAX_G];
+  const auto kb_zero = [](float* dst) { const vf zero{}; __builtin_memcpy(dst, &zero, sizeof(vf)); };
+  for (int64_t g = 0; g < G; ++g) {
+    const T* qg = q + (h * G + g) * s.q_head;
+    for (int j = 0; j < D; ++j) qs[g][j] = to_f(qg[j]) * s.scale, acc[g][j] = 0.f;
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const int64_t row = s.hkv * D;  // elements between positions in a block
+  alignas(64) float kb[CH][D];     // the chunk's k and v rows, widened to fp32 once
+  alignas(64) float vb[CH][D];
+  vf lane{};
+  for (int c = 0; c < CH; ++c) lane[c] = static_cast<float>(c);
+  for (int64_t p0 = 0; p0 < ctx; p0 += CH) {
+    const int n = static_cast<int>(std::min<int64_t>(CH, ctx - p0));
+    for (int c = 0; c < CH; ++c) {
+      if (c >= n) {  // past the context: zero rows (their scores are masked below)
+        for (int j = 0; j < DV; ++j) kb_zero(kb[c] + j * V), kb_zero(vb[c] + j * V);
+        continue;
+      }
+      const int64_t pos = p0 + c, block = table[pos / s.block_size];
+      const int64_t at = (block * s.block_size + pos % s.block_size) * row + h * D;
+      for (int j = 0; j < DV; ++j) {
+        const vf kv = load_v(k_cache + at + j * V), vv = load_v(v_cache + at + j * V);
+        __builtin_memcpy(kb[c] + j * V, &kv, sizeof(vf));
+        __builtin_memcpy(vb[c] + j * V, &vv, sizeof(vf));
+      }
+    }
+    const vf past = vf{} + static_cast<float>(n);
+    for (int64_t g = 0; g < G; ++g) {
+      vf q[DV];
+      for (int j = 0; j < DV; ++j) q[j] = load_v(qs[g] + j * V);
+      vf dots[CH];  // per position, the lanes of q_g . k_c
+      for (int c = 0; c < CH; ++c) {
+        vf dot = q[0] * load_v(kb[c]);
+        for (int j = 1; j < DV; ++j) dot += q[j] * load_v(kb[c] + j * V);
+        dots[c] = dot;
+      }
+      vf sc = reduce_lanes(dots);
+      sc = lane < past ? sc : vf{} - std::numeric_limits<float>::infinity();  // past n: weight 0
+      float chunk_max = sc[0];
+      for (int c = 1; c < n; ++c) chunk_max = std::max(chunk_max, sc[c]);
+      // online softmax: the running max, the sums and accumulator rescaled when it grows
+      const float m_new = std::max(m[g], chunk_max);
+      const float rescale = std::exp(m[g] - m_new);  // 0 on the first chunk (m = -inf)
+      const vf p = exp_nonpositive(sc - m_new);
+      l[g] = l[g] * rescale + hsum(p);
+      m[g] = m_new;
+      vf a[DV];
+      for (int j = 0; j < DV; ++j) a[j] = load_v(acc[g] + j * V) * rescale;
+      for (int c = 0; c < n; ++c) {
+        const float w = p[c];
+        for (int j = 0; j < DV; ++j) a[j] += w * load_v(vb[c] + j * V);
+      }
+      for (int j = 0; j < DV; ++j) __builtin_memcpy(acc[g] + j * V, &a[j], sizeof(vf));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    T* og = out + (h * G + g) * s.out_head;
+    const float inv = 1.f / l[g];
+    for (int j = 0; j < D; ++j) og[j] = static_cast<T>(acc[g][j] * inv);
+  }
+}
+
+template <typename T>
+void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens, const Shape& s) {
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* cp = context_lens.data_ptr<int64_t>();
+  const int64_t n = rows.size(0);
+  at::parallel_for(0, n * s.hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t i = it / s.hkv, h = it % s.hkv;
+      const T* qi = qp + rp[i] * s.q_row;
+      T* oi = op + rp[i] * s.out_row;
+      const int64_t* ti = tp + i * s.table_row;
+      switch (s.d / V) {
+#define LORAPLEX_HEAD(DV) \
+  case DV:                \
+    item<DV, T>(s, qi, oi, kp, vp, ti, cp[i], h); \
+    break;
+        LORAPLEX_HEAD(1) LORAPLEX_HEAD(2) LORAPLEX_HEAD(3) LORAPLEX_HEAD(4) LORAPLEX_HEAD(5) LORAPLEX_HEAD(6)
+        LORAPLEX_HEAD(7) LORAPLEX_HEAD(8) LORAPLEX_HEAD(9) LORAPLEX_HEAD(10) LORAPLEX_HEAD(11) LORAPLEX_HEAD(12)
+        LORAPLEX_HEAD(13) LORAPLEX_HEAD(14) LORAPLEX_HEAD(15) LORAPLEX_HEAD(16)
+#undef LORAPLEX_HEAD
+      }
+    }
+  });
+}
+
+// Checks everything the loops rely on (the Python side checks too; this keeps a wrong call from
+// reading or writing out of bounds).
+Shape check(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "q and out must be [T, Hq, D] alike");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] alike");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && q.scalar_type() == k_cache.scalar_type() &&
+                  q.scalar_type() == v_cache.scalar_type(),
+              "q, out and the caches must share a dtype");
+  const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d, "the caches' head size differs from q's");
+  TORCH_CHECK(d % V == 0 && d <= MAX_D, "head size must be a multiple of ", V, " up to ", MAX_D);
+  TORCH_CHECK(hkv >= 1 && hq % hkv == 0 && hq / hkv <= MAX_G, "Hq must be Hkv times 1 to ", MAX_G);
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && q.stride(1) == d && out.stride(1) == d,
+              "q and out rows must be contiguous [Hq, D]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows: contiguous int64 [n]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                  block_tables.size(0) == rows.size(0),
+              "block_tables: contiguous int64 [n, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 && context_lens.is_contiguous() &&
+                  context_lens.size(0) == rows.size(0),
+              "context_lens: contiguous int64 [n]");
+  const int64_t n = rows.size(0), nb = block_tables.size(1), bs = k_cache.size(1);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* cp = context_lens.data_ptr<int64_t>();
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < q.size(0), "row out of range");
+    TORCH_CHECK(cp[i] >= 1 && cp[i] <= nb * bs, "context length outside 1..max_blocks * block_size");
+    for (int64_t b = 0; b < (cp[i] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tp[i * nb + b] >= 0 && tp[i * nb + b] < k_cache.size(0), "block id out of range");
+  }
+  return Shape{bs, hkv, hq / hkv, d, q.stride(0), q.stride(1), out.stride(0), out.stride(1), nb,
+               static_cast<float>(scale)};
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            double scale) {
+  const Shape s = check(out, q, k_cache, v_cache, rows, block_tables, context_lens, scale);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      return run<float>(out, q, k_cache, v_cache, rows, block_tables, context_lens, s);
+    case at::kBFloat16:
+      return run<c10::BFloat16>(out, q, k_cache, v_cache, rows, block_tables, context_lens, s);
+    case at::kHalf:
+      return run<c10::Half>(out, q, k_cache, v_cache, rows, block_tables, context_lens, s);
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, "
+      "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
