@@ -45,13 +45,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "fused_op", "loaded_op", "unavailable_reason"]
+__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "fused_op", "loaded_op", "unavailable_reason", "vector_width"]
 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # the LoRA delta, and the paged decode attention (attention_op) built into the same library
 SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp"]
+HEADERS = [_CSRC / "cpu_vec.h"]  # what both include: part of the build key too
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
 # the copy torch already loaded (one OpenMP runtime, torch's thread count).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -129,12 +130,18 @@ def _build_key() -> str:
     """The source, the flags, torch's version and this CPU's instruction set: a build made for
     another CPU (or another torch) is never loaded."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
+
+
+def vector_width() -> int:
+    """Floats per vector in a build for this CPU (cpu_vec.h's V): 16 with AVX-512, else 8. The
+    attention kernel takes head sizes in multiples of it."""
+    return 16 if "avx512f" in _cpu_flags().split() else 8
 
 
 def _cpu_flags() -> str:

@@ -20,7 +20,7 @@ import torch
 
 from inference.layers.attention import torch_paged_attention
 from inference.layers.attention_metadata import build_attention_metadata
-from inference.layers.matmul_plan import FUSED_KERNEL, TORCH_KERNEL, MatmulPlan, _race
+from inference.layers.matmul_plan import FUSED_KERNEL, TORCH_KERNEL, MatmulPlan, race
 from kernels import cpu_fused
 
 ATTENTION_KERNEL_CHOICES = ("auto", FUSED_KERNEL, TORCH_KERNEL)
@@ -32,7 +32,7 @@ CONTEXT_LENS = [64 + (448 * i) // 31 for i in range(32)]
 
 def fused_unsupported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
     """Why the fused kernel cannot take these heads (None: it can), as its own checks would."""
-    vector = 16 if "avx512f" in cpu_fused._cpu_flags().split() else 8
+    vector = cpu_fused.vector_width()
     if dtype not in cpu_fused.ATTENTION_DTYPES:
         return f"dtype {dtype} (it takes {', '.join(sorted(str(d) for d in cpu_fused.ATTENTION_DTYPES))})"
     if head_dim % vector or head_dim > 16 * vector:
@@ -62,7 +62,7 @@ def with_attention_kernel(
         return replace(plan, attention_kernel=FUSED_KERNEL)
     if why is not None:
         return replace(plan, attention_kernel=TORCH_KERNEL)
-    seconds = _race({kernel: _decode_step(num_heads, num_kv_heads, head_dim, dtype, kernel)
+    seconds = race({kernel: _decode_step(num_heads, num_kv_heads, head_dim, dtype, kernel)
                      for kernel in (TORCH_KERNEL, FUSED_KERNEL)})  # fmt: skip
     best = FUSED_KERNEL if seconds[FUSED_KERNEL] < SWITCH_FACTOR * seconds[TORCH_KERNEL] else TORCH_KERNEL
     return replace(plan, attention_kernel=best, timings={**plan.timings, "attention_kernel": seconds})

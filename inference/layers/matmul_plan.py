@@ -185,7 +185,7 @@ def with_lora_kernel(
     narrow = f"{FUSED_KERNEL}-{str(dtype).removeprefix('torch.')}"
     if plan.lora_dtype != dtype and {(dtype, dtype), (torch.float32, dtype)} <= cpu_fused.DTYPES:
         candidates[narrow] = _lora_delta(projections, dtype, dtype, rank, FUSED_KERNEL)
-    seconds = _race(candidates)
+    seconds = race(candidates)
     best = min(seconds, key=seconds.get)
     timings = {**plan.timings, "lora_kernel": seconds}
     if best == narrow:
@@ -214,11 +214,11 @@ def calibrate(
         }
         if allow_cache:
             candidates[FP32_CACHED] = lambda xs=xs: [F.linear(x.float(), w) for x, w in zip(xs, cached, strict=True)]
-        timings[cls] = _race(candidates)
+        timings[cls] = race(candidates)
         paths[cls] = _winner(timings[cls])
     # The LoRA stacks take the model dtype only where every product is native and that measures
     # faster; an fp32 product would have to upcast them every step.
-    timings["lora"] = _race({str(d).removeprefix("torch."): _lora_delta(lora_projections, dtype, d, lora_rank)
+    timings["lora"] = race({str(d).removeprefix("torch."): _lora_delta(lora_projections, dtype, d, lora_rank)
                              for d in (dtype, torch.float32)})  # fmt: skip
     native_lora = timings["lora"][str(dtype).removeprefix("torch.")] <= timings["lora"]["float32"]
     lora_dtype = dtype if native_lora and set(paths.values()) == {NATIVE} else torch.float32
@@ -275,7 +275,7 @@ def _lora_delta(
     return lambda: [add_lora_cpu(*call) for call in calls]
 
 
-def _race(candidates: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, float]:
+def race(candidates: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, float]:
     """Best seconds per call of each candidate over interleaved rounds (after one warm-up call,
     which also builds oneDNN's primitives for the shape). A round of a fast candidate repeats
     it up to ROUND_SECONDS; one still GIVE_UP_FACTOR x slower than the best after two rounds

@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,46 +29,11 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int V = 16;
-#else
-constexpr int V = 8;
-#endif
-typedef float vf __attribute__((vector_size(V * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(V * sizeof(int32_t))));
-typedef uint32_t vu __attribute__((vector_size(V * sizeof(uint32_t))));
-typedef uint16_t vh __attribute__((vector_size(V * sizeof(uint16_t))));
+using namespace loraplex_vec;
+
 constexpr int CH = V;          // positions per chunk: one vector of scores per query head
 constexpr int MAX_D = 16 * V;  // head size bound: 16 vectors (256 with AVX-512, 128 with AVX2)
 constexpr int MAX_G = 16;      // query heads per kv head
-
-inline float to_f(float v) { return v; }
-inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_f(c10::Half v) { return static_cast<float>(v); }
-
-template <typename T>
-inline vf load_v(const T* p) {
-  vf v;
-  for (int i = 0; i < V; ++i) v[i] = to_f(p[i]);
-  return v;
-}
-
-template <>
-inline vf load_v<float>(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof(vf));
-  return v;
-}
-
-template <>
-inline vf load_v<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is fp32's top half
-  vh raw;
-  __builtin_memcpy(&raw, p, sizeof(vh));
-  vu bits = __builtin_convertvector(raw, vu) << 16;
-  vf v;
-  __builtin_memcpy(&v, &bits, sizeof(vf));
-  return v;
-}
 
 // the sum of v's lanes, as a tree (a loop would chain V dependent adds)
 inline float hsum(vf v) {

@@ -21,6 +21,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_vec.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -33,47 +35,16 @@
 
 namespace {
 
-// Floats per vector: one register. With 32 (AVX-512) registers a pass takes NC = 2 vectors of
-// columns for MB tokens (16 accumulators); with 16 (AVX2) one (8 accumulators), or they spill.
+using namespace loraplex_vec;
+
+// With 32 (AVX-512) registers a pass takes NC = 2 vectors of columns for MB tokens (16
+// accumulators); with 16 (AVX2) one (8 accumulators), or they spill.
 #if defined(__AVX512F__)
-constexpr int V = 16;
 constexpr int NC = 2;
 #else
-constexpr int V = 8;
 constexpr int NC = 1;
 #endif
-typedef float vf __attribute__((vector_size(V * sizeof(float))));
-typedef uint32_t vu __attribute__((vector_size(V * sizeof(uint32_t))));
-typedef uint16_t vh __attribute__((vector_size(V * sizeof(uint16_t))));
 constexpr int MB = 8;  // tokens per work item: MB vector accumulators stay in registers
-
-inline float to_f(float v) { return v; }
-inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_f(c10::Half v) { return static_cast<float>(v); }
-
-template <typename W>
-inline vf load_v(const W* p) {
-  vf v;
-  for (int i = 0; i < V; ++i) v[i] = to_f(p[i]);
-  return v;
-}
-
-template <>
-inline vf load_v<float>(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof(vf));
-  return v;
-}
-
-template <>
-inline vf load_v<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is fp32's top half
-  vh raw;
-  __builtin_memcpy(&raw, p, sizeof(vh));
-  vu bits = __builtin_convertvector(raw, vu) << 16;
-  vf v;
-  __builtin_memcpy(&v, &bits, sizeof(vf));
-  return v;
-}
 
 // o[0:V] = round(o[0:V] + acc): fp32 rows add and store; bf16 ones round to nearest even (NaN
 // stays NaN), as c10::BFloat16 does element by element; others element by element.

@@ -54,7 +54,7 @@ STEPS = {  # (seq_lens, query_lens)
     "one stream": ([77], [1]),
     "decode beside prefills": ([40, 90, 5, 200, 31], [1, 90, 1, 12, 1]),
 }
-HEADS = [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 16 if "avx512f" in cpu_fused._cpu_flags().split() else 8)]
+HEADS = [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, cpu_fused.vector_width())]
 
 
 @pytest.mark.parametrize("layout", STEPS)

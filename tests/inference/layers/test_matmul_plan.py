@@ -110,7 +110,7 @@ def test_the_race_takes_the_fastest_and_stops_timing_a_hopeless_candidate():
         while matmul_plan.time.perf_counter() < end:  # 3 ms of work vs none
             pass
 
-    best = matmul_plan._race({"slow": slow, "quick": quick}, rounds=6)
+    best = matmul_plan.race({"slow": slow, "quick": quick}, rounds=6)
     assert min(best, key=best.get) == "quick"
     assert calls["slow"] <= 3  # warm-up + two rounds, then it sits out
 

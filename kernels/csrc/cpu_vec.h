@@ -1,0 +1,51 @@
+// What the CPU kernels (lora_cpu.cpp, attention_cpu.cpp) share: one register of floats as a GCC
+// vector type, lowered by -march=native to AVX-512 (16 floats) or AVX2 (8), and loading V values
+// of any of the model's dtypes into it as fp32.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace loraplex_vec {
+
+#if defined(__AVX512F__)
+constexpr int V = 16;
+#else
+constexpr int V = 8;
+#endif
+typedef float vf __attribute__((vector_size(V * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(V * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(V * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(V * sizeof(uint16_t))));
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+inline vf load_v(const T* p) {
+  vf v;
+  for (int i = 0; i < V; ++i) v[i] = to_f(p[i]);
+  return v;
+}
+
+template <>
+inline vf load_v<float>(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(vf));
+  return v;
+}
+
+template <>
+inline vf load_v<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is fp32's top half
+  vh raw;
+  __builtin_memcpy(&raw, p, sizeof(vh));
+  vu bits = __builtin_convertvector(raw, vu) << 16;
+  vf v;
+  __builtin_memcpy(&v, &bits, sizeof(vf));
+  return v;
+}
+
+}  // namespace loraplex_vec
