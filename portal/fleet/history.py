@@ -12,7 +12,8 @@ the last complete bucket and the history selector can read any range from one of
 it deletes what is past its retention and already folded. Gauges fold to their mean over the
 healthy polls (weighted by `samples`, so an hour's mean is the mean of its polls, not of its
 minutes) and their max; cumulative counters fold to their last value (rates come from
-differences); `state` to the last one.
+differences); `state` to the last one. On PostgreSQL a fold is one INSERT ... SELECT; on any
+other backend (the embedded SQLite of `make run`) the same fold runs over rows read by the ORM.
 """
 
 from __future__ import annotations
@@ -130,14 +131,21 @@ _LAST = "(ARRAY_AGG({c} ORDER BY at DESC) FILTER (WHERE {c} IS NOT NULL))[1]"
 
 @transaction.atomic
 def _fold(target: str, *, now: datetime) -> int:
-    """One INSERT ... SELECT over the source rows of the complete target buckets not yet folded
-    (from the end of the last target row; all source rows when there is none). Upserts, so a
-    rerun over the same buckets writes the same rows."""
+    """Fold the source rows of the complete target buckets not yet folded (from the end of the
+    last target row; all source rows when there is none) into target rows. Upserts, so a rerun
+    over the same buckets writes the same rows."""
     width = WIDTH[target]
     until = _floor(now - FOLD_GRACE, width)
     since = folded_until(target)
     if since is not None and since >= until:
         return 0
+    fold = _fold_in_sql if connection.vendor == "postgresql" else _fold_in_python
+    return fold(target, since=since, until=until)
+
+
+def _fold_in_sql(target: str, *, since: datetime | None, until: datetime) -> int:
+    """PostgreSQL: one INSERT ... SELECT ... ON CONFLICT, so no row leaves the database."""
+    width = WIDTH[target]
     gauges = list(GAUGES)
     columns = ["worker_id", "at", "resolution", "polls", "samples", "healthy", "state",
                *gauges, *(f"{g}_max" for g in gauges), *COUNTERS]
@@ -158,6 +166,39 @@ def _fold(target: str, *, now: datetime) -> int:
         cursor.execute(sql, {"width": width, "target": target, "source": SOURCE[target], "until": until,
                              "since": since})
         return cursor.rowcount
+
+
+def _fold_in_python(target: str, *, since: datetime | None, until: datetime) -> int:
+    """Any other backend (the embedded SQLite of `make run`, which has neither date_bin nor
+    ARRAY_AGG): the same fold over rows read through the ORM, bucket by bucket. Its volume is
+    one worker's polls for the minutes since the last fold, so reading them is cheap."""
+    width = WIDTH[target]
+    rows = WorkerSample.objects.filter(resolution=SOURCE[target], at__lt=until)
+    if since is not None:
+        rows = rows.filter(at__gte=since)
+    buckets: dict[tuple[int, datetime], list[dict]] = {}
+    for row in rows.order_by("at", "id").values():
+        buckets.setdefault((row["worker_id"], _floor(row["at"], width)), []).append(row)
+    for (worker_id, at), polls in buckets.items():
+        WorkerSample.objects.update_or_create(worker_id=worker_id, resolution=target, at=at,
+                                              defaults=_folded(polls))
+    return len(buckets)
+
+
+def _folded(polls: list[dict]) -> dict:
+    """One bucket's folded values from its rows in time order: what _fold_in_sql's SELECT says."""
+    last = polls[-1]
+    folded = {"polls": sum(p["polls"] for p in polls), "samples": sum(p["samples"] for p in polls),
+              "healthy": any(p["healthy"] for p in polls), "state": last["state"]}
+    for gauge in GAUGES:
+        known = [p for p in polls if p[gauge] is not None]
+        weight = sum(p["samples"] for p in known)
+        folded[gauge] = sum(p[gauge] * p["samples"] for p in known) / weight if weight else None
+        peaks = [p[f"{gauge}_max"] for p in polls if p[f"{gauge}_max"] is not None]
+        folded[f"{gauge}_max"] = max(peaks, default=None)
+    for counter in COUNTERS:
+        folded[counter] = next((p[counter] for p in reversed(polls) if p[counter] is not None), None)
+    return folded
 
 
 def history_prune(*, now: datetime) -> dict[str, int]:

@@ -1,10 +1,12 @@
 """Downsampling and retention of the poll history (portal.fleet.history.history_fold): means,
 maxes and last values of known samples, exactly; only complete buckets; reruns change nothing;
-retention deletes only what is old and already folded."""
+retention deletes only what is old and already folded. Every test runs on both folds: PostgreSQL's
+INSERT ... SELECT, and the ORM fold any other backend takes (make run's embedded SQLite)."""
 
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.db import connection
 
 from portal.fleet.history import history_fold, history_prune
 from portal.fleet.models import InferenceWorker, WorkerEvent, WorkerSample
@@ -12,6 +14,13 @@ from portal.fleet.models import InferenceWorker, WorkerEvent, WorkerSample
 pytestmark = pytest.mark.django_db
 
 NOON = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True, params=["postgresql", "other backend"])
+def fold_on(request, monkeypatch):
+    if request.param != "postgresql":
+        monkeypatch.setattr(connection, "vendor", "sqlite")
+    return request.param
 
 
 @pytest.fixture
@@ -149,3 +158,4 @@ def test_the_fold_task_folds(worker):
     done = fleet_history_fold_task.apply().get()
 
     assert done["minute"] == 1 and rows("minute")[0].num_running == 3
+

@@ -1,0 +1,39 @@
+"""The poll history's fold on the embedded SQLite database `make run` uses without DATABASE_URL
+(portal.fleet.history._fold_in_python; test_history_fold runs every fold test on it too)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_the_fold_runs_on_the_embedded_sqlite_database(tmp_path):
+    """make run without DATABASE_URL: the beat task folds on a real SQLite file, every minute
+    without an error, and a rerun writes nothing new."""
+    root = Path(__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}", DJANGO_SETTINGS_MODULE="portal.settings")
+    code = (
+        "import django; django.setup()\n"
+        "from datetime import UTC, datetime, timedelta\n"
+        "from django.core.management import call_command\n"
+        "call_command('migrate', verbosity=0)\n"
+        "from portal.fleet.history import history_fold\n"
+        "from portal.fleet.models import InferenceWorker, WorkerSample\n"
+        "noon = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)\n"
+        "w = InferenceWorker.objects.create(url='http://127.0.0.1:8001')\n"
+        "for i, running in enumerate([2, 4, 9, 1, 6, 6, 3]):\n"
+        "    WorkerSample.objects.create(worker_id=w.pk, at=noon + timedelta(seconds=20 * i), healthy=True,\n"
+        "        samples=1, state='healthy', num_running=running, num_running_max=running, loads=i)\n"
+        "print(history_fold(now=noon + timedelta(hours=1, minutes=1)))\n"
+        "print(history_fold(now=noon + timedelta(hours=1, minutes=1)))\n"
+        "for r in WorkerSample.objects.exclude(resolution='raw').order_by('resolution', 'at'):\n"
+        "    print(r.resolution, r.at.minute, r.polls, round(r.num_running, 3), r.num_running_max, r.loads)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=120)
+
+    assert result.returncode == 0, result.stderr
+    first, rerun, *folded = result.stdout.strip().splitlines()
+    assert "'minute': 3" in first and "'hour': 1" in first and "'hour': 0" in rerun
+    assert folded == ["hour 0 7 4.429 9.0 6",
+                      "minute 0 3 5.0 9.0 2", "minute 1 3 4.333 6.0 5", "minute 2 1 3.0 3.0 6"]
