@@ -163,8 +163,9 @@ class WorkerSample(models.Model):
     """One worker at one poll (resolution raw), or one worker's polls over a minute or an hour
     folded into one row (`at` = the bucket's start). One table for all three resolutions: the
     history selector reads them with one query (a folded row is a raw row with `samples` > 1),
-    and a fold is one INSERT ... SELECT within it (on PostgreSQL). Gauges and counters are NULL where nothing is
-    known: a poll that found the worker unhealthy, or a bucket with no healthy poll."""
+    and on PostgreSQL a fold is one INSERT ... SELECT within it. Gauges and counters are NULL
+    where nothing is known: a poll that found the worker unhealthy, or a bucket with no healthy
+    poll."""
 
     # Not a constraint: a discovered pod's row is deleted an hour after it left
     # (services.FORGET_GONE_AFTER); its history stays, and ids are never reused.
