@@ -120,7 +120,7 @@ def folded_until(resolution: str) -> datetime | None:
     return last + WIDTH[resolution] if last is not None else None
 
 
-def _floor(moment: datetime, width: timedelta) -> datetime:
+def floor(moment: datetime, width: timedelta) -> datetime:
     epoch = datetime(1970, 1, 1, tzinfo=moment.tzinfo)
     return moment - (moment - epoch) % width
 
@@ -135,7 +135,7 @@ def _fold(target: str, *, now: datetime) -> int:
     last target row; all source rows when there is none) into target rows. Upserts, so a rerun
     over the same buckets writes the same rows."""
     width = WIDTH[target]
-    until = _floor(now - FOLD_GRACE, width)
+    until = floor(now - FOLD_GRACE, width)
     since = folded_until(target)
     if since is not None and since >= until:
         return 0
@@ -178,7 +178,7 @@ def _fold_in_python(target: str, *, since: datetime | None, until: datetime) -> 
         rows = rows.filter(at__gte=since)
     buckets: dict[tuple[int, datetime], list[dict]] = {}
     for row in rows.order_by("at", "id").values():
-        buckets.setdefault((row["worker_id"], _floor(row["at"], width)), []).append(row)
+        buckets.setdefault((row["worker_id"], floor(row["at"], width)), []).append(row)
     for (worker_id, at), polls in buckets.items():
         WorkerSample.objects.update_or_create(worker_id=worker_id, resolution=target, at=at,
                                               defaults=_folded(polls))
@@ -191,14 +191,22 @@ def _folded(polls: list[dict]) -> dict:
     folded = {"polls": sum(p["polls"] for p in polls), "samples": sum(p["samples"] for p in polls),
               "healthy": any(p["healthy"] for p in polls), "state": last["state"]}
     for gauge in GAUGES:
-        known = [p for p in polls if p[gauge] is not None]
-        weight = sum(p["samples"] for p in known)
-        folded[gauge] = sum(p[gauge] * p["samples"] for p in known) / weight if weight else None
-        peaks = [p[f"{gauge}_max"] for p in polls if p[f"{gauge}_max"] is not None]
-        folded[f"{gauge}_max"] = max(peaks, default=None)
+        folded[gauge], folded[f"{gauge}_max"] = gauge_mean(polls, gauge), gauge_peak(polls, gauge)
     for counter in COUNTERS:
         folded[counter] = next((p[counter] for p in reversed(polls) if p[counter] is not None), None)
     return folded
+
+
+def gauge_mean(rows: list[dict], gauge: str) -> float | None:
+    """The mean of `gauge` over rows' healthy polls (each row weighs its `samples`), None where
+    none knows it: SUM(g * samples) / SUM(samples where g is known), as the SQL folds say."""
+    known = [r for r in rows if r[gauge] is not None]
+    weight = sum(r["samples"] for r in known)
+    return sum(r[gauge] * r["samples"] for r in known) / weight if weight else None
+
+
+def gauge_peak(rows: list[dict], gauge: str) -> float | None:
+    return max((r[f"{gauge}_max"] for r in rows if r[f"{gauge}_max"] is not None), default=None)
 
 
 def history_prune(*, now: datetime) -> dict[str, int]:

@@ -33,7 +33,14 @@ from django.db.models import F, Min
 from django.utils import timezone
 
 from portal.core.ranges import TimeRange
-from portal.fleet.history import WIDTH, folded_until, history_resolution
+from portal.fleet.history import (
+    WIDTH,
+    floor,
+    folded_until,
+    gauge_mean,
+    gauge_peak,
+    history_resolution,
+)
 from portal.fleet.inflight import InflightSnapshot
 from portal.fleet.models import (
     COUNTERS,
@@ -323,13 +330,15 @@ def _history_rows(time_range: TimeRange, *, resolution: str, first: datetime, wo
     """One dict per (worker, bucket) with a healthy sample: gauge means and maxes, counter
     differences summed. Rows of `resolution` up to where it is folded, raw rows after that
     (two index range scans on (resolution, at), put end to end)."""
-    table = WorkerSample._meta.db_table
     since = first - LOOKBACK[resolution]
     folded = since if resolution == Resolution.RAW else max(folded_until(resolution) or since, since)
     # Raw polls from where the folded rows end, reaching back no further than raw rows need to.
     params = {"res": resolution, "since": since, "folded": min(folded, time_range.end), "end": time_range.end,
               "raw_since": min(max(folded, first - LOOKBACK[Resolution.RAW]), time_range.end),
               "bucket": time_range.bucket, "worker": worker}
+    if connection.vendor != "postgresql":
+        return _history_rows_in_python(params)
+    table = WorkerSample._meta.db_table
     columns = ", ".join(["worker_id", "at", "samples", *GAUGES, *(f"{g}_max" for g in GAUGES), *COUNTERS])
     mine = " AND samples > 0" + (" AND worker_id = %(worker)s" if worker is not None else "")
     lag = ", ".join(f"CASE WHEN {c} < LAG({c}) OVER w THEN {c} ELSE {c} - LAG({c}) OVER w END AS d_{c}"
@@ -348,6 +357,37 @@ def _history_rows(time_range: TimeRange, *, resolution: str, first: datetime, wo
         cursor.execute(sql, params)
         names = [column.name for column in cursor.description]
         return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+
+
+def _history_rows_in_python(params: dict) -> list[dict]:
+    """_history_rows on any other backend (the embedded SQLite of `make run`: no date_bin, no
+    window functions over intervals): the same rows read through the ORM and the same sums made
+    here, for the few workers and hours such a database holds."""
+    columns = ["worker_id", "at", "samples", *GAUGES, *(f"{g}_max" for g in GAUGES), *COUNTERS]
+    mine = {"samples__gt": 0, **({"worker_id": params["worker"]} if params["worker"] is not None else {})}
+    folded = WorkerSample.objects.filter(resolution=params["res"], at__gte=params["since"],
+                                         at__lt=params["folded"], **mine)
+    raw = WorkerSample.objects.filter(resolution=Resolution.RAW, at__gte=params["raw_since"], at__lt=params["end"],
+                                      **mine)
+    previous: dict[int, dict] = {}
+    groups: dict[tuple[datetime, int], list[dict]] = {}
+    for row in sorted([*folded.values(*columns), *raw.values(*columns)], key=lambda r: (r["worker_id"], r["at"])):
+        last = previous.get(row["worker_id"])
+        for c in COUNTERS:  # a drop is a restart: the new value is the difference
+            known = last is not None and row[c] is not None and last[c] is not None
+            row[f"d_{c}"] = (row[c] if row[c] < last[c] else row[c] - last[c]) if known else None
+        previous[row["worker_id"]] = row
+        groups.setdefault((floor(row["at"], params["bucket"]), row["worker_id"]), []).append(row)
+    out = []
+    for (bucket, worker_id), rows in sorted(groups.items()):
+        summed = {"worker_id": worker_id, "bucket": bucket}
+        for g in GAUGES:
+            summed[g], summed[f"{g}_max"] = gauge_mean(rows, g), gauge_peak(rows, g)
+        for c in COUNTERS:
+            deltas = [r[f"d_{c}"] for r in rows if r[f"d_{c}"] is not None]
+            summed[f"d_{c}"] = float(sum(deltas)) if deltas else None
+        out.append(summed)
+    return out
 
 
 def _history_workers(ids: set[int]) -> list[dict]:

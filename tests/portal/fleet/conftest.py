@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from django.db import connection
 
 BASE = "smollm2"
 
@@ -205,3 +206,13 @@ def dead_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(params=["postgresql", "other backend"])
+def each_history_backend(request, monkeypatch):
+    """Runs a history test twice: on PostgreSQL's SQL, and on the ORM path portal.fleet.history
+    and .selectors take on any other backend (make run's embedded SQLite), against the same
+    PostgreSQL rows, so both must give the same answers."""
+    if request.param != "postgresql":
+        monkeypatch.setattr(connection, "vendor", "sqlite")
+    return request.param

@@ -6,21 +6,13 @@ INSERT ... SELECT, and the ORM fold any other backend takes (make run's embedded
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from django.db import connection
 
 from portal.fleet.history import history_fold, history_prune
 from portal.fleet.models import InferenceWorker, WorkerEvent, WorkerSample
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("each_history_backend")]
 
 NOON = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
-
-
-@pytest.fixture(autouse=True, params=["postgresql", "other backend"])
-def fold_on(request, monkeypatch):
-    if request.param != "postgresql":
-        monkeypatch.setattr(connection, "vendor", "sqlite")
-    return request.param
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """fleet_history: the poll history over a dashboard TimeRange, in its buckets, from the finest
 resolution that still holds it; sums over healthy workers, rates from counter differences
-(a worker restart never gives a negative rate), annotations from the state changes."""
+(a worker restart never gives a negative rate), annotations from the state changes. Every test runs on PostgreSQL's query and on the ORM path
+any other backend takes (make run's embedded SQLite)."""
 
 from datetime import UTC, datetime, timedelta
 
@@ -11,7 +12,7 @@ from portal.fleet.history import history_fold, history_resolution
 from portal.fleet.models import InferenceWorker, WorkerEvent, WorkerSample
 from portal.fleet.selectors import fleet_history
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("each_history_backend")]
 
 NOON = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
 MINUTE = timedelta(minutes=1)

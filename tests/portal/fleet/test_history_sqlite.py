@@ -1,5 +1,6 @@
-"""The poll history's fold on the embedded SQLite database `make run` uses without DATABASE_URL
-(portal.fleet.history._fold_in_python; test_history_fold runs every fold test on it too)."""
+"""The poll history on the embedded SQLite database `make run` uses without DATABASE_URL: the
+fold (portal.fleet.history) and the dashboards' reading of it (portal.fleet.selectors), on a
+real SQLite file. test_history_fold and test_history_selector run every test on that path too."""
 
 import os
 import subprocess
@@ -7,9 +8,9 @@ import sys
 from pathlib import Path
 
 
-def test_the_fold_runs_on_the_embedded_sqlite_database(tmp_path):
-    """make run without DATABASE_URL: the beat task folds on a real SQLite file, every minute
-    without an error, and a rerun writes nothing new."""
+def test_the_history_folds_and_reads_on_the_embedded_sqlite_database(tmp_path):
+    """make run without DATABASE_URL: the beat task folds (a rerun writes nothing new) and the
+    fleet dashboard reads the folded minutes."""
     root = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}", DJANGO_SETTINGS_MODULE="portal.settings")
@@ -27,13 +28,21 @@ def test_the_fold_runs_on_the_embedded_sqlite_database(tmp_path):
         "        samples=1, state='healthy', num_running=running, num_running_max=running, loads=i)\n"
         "print(history_fold(now=noon + timedelta(hours=1, minutes=1)))\n"
         "print(history_fold(now=noon + timedelta(hours=1, minutes=1)))\n"
+        "from portal.core.ranges import TimeRange\n"
+        "from portal.fleet.selectors import fleet_history\n"
+        "span = TimeRange(start=noon, end=noon + timedelta(minutes=3), bucket=timedelta(minutes=1), name='custom')\n"
+        "history = fleet_history(time_range=span, now=noon + timedelta(hours=1, minutes=1))\n"
+        "print(history['resolution'], history['series']['num_running'], history['series']['loads_per_min'])\n"
         "for r in WorkerSample.objects.exclude(resolution='raw').order_by('resolution', 'at'):\n"
         "    print(r.resolution, r.at.minute, r.polls, round(r.num_running, 3), r.num_running_max, r.loads)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                             timeout=120)
 
     assert result.returncode == 0, result.stderr
-    first, rerun, *folded = result.stdout.strip().splitlines()
+    first, rerun, read, *folded = result.stdout.strip().splitlines()
     assert "'minute': 3" in first and "'hour': 1" in first and "'hour': 0" in rerun
+    # per minute: the mean of its polls; loads per minute from the differences of each minute's
+    # last count (2, 5, 6): the first minute has nothing before it
+    assert read == "minute [5.0, 4.333333333333333, 3.0] {'host': [None, 3.0, 1.0], 'device': [None, None, None]}"
     assert folded == ["hour 0 7 4.429 9.0 6",
                       "minute 0 3 5.0 9.0 2", "minute 1 3 4.333 6.0 5", "minute 2 1 3.0 3.0 6"]
