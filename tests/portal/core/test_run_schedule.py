@@ -75,21 +75,13 @@ def test_the_command_once_runs_every_entry_and_says_what_it_schedules(worker_set
 def test_a_fresh_process_finds_every_scheduled_task(tmp_path):
     """In its own process nothing has imported the apps' tasks modules yet (the usage roll-up and
     spool replay were 'no task named ...' under make run)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.portal.embedded_sqlite import run_on_embedded_sqlite
 
-    root = Path(__file__).resolve().parents[3]
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}", DJANGO_SETTINGS_MODULE="portal.settings")
-    code = ("import django; django.setup()\n"
-            "from portal.celery import app\n"
-            "from portal.core.management.commands.run_schedule import Schedule\n"
-            "schedule = Schedule(app)\n"
-            "print(sorted(e.name for e in schedule.entries if e.task not in app.tasks))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = run_on_embedded_sqlite(
+        "from portal.celery import app\n"
+        "from portal.core.management.commands.run_schedule import Schedule\n"
+        "schedule = Schedule(app)\n"
+        "print(sorted(e.name for e in schedule.entries if e.task not in app.tasks))", tmp_path / "db.sqlite3")
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

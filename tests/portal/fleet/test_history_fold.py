@@ -150,4 +150,3 @@ def test_the_fold_task_folds(worker):
     done = fleet_history_fold_task.apply().get()
 
     assert done["minute"] == 1 and rows("minute")[0].num_running == 3
-

@@ -1,7 +1,7 @@
 """fleet_history: the poll history over a dashboard TimeRange, in its buckets, from the finest
 resolution that still holds it; sums over healthy workers, rates from counter differences
-(a worker restart never gives a negative rate), annotations from the state changes. Every test runs on PostgreSQL's query and on the ORM path
-any other backend takes (make run's embedded SQLite)."""
+(a worker restart never gives a negative rate), annotations from the state changes. Every test
+runs on PostgreSQL's query and on the ORM path any other backend takes (make run's SQLite)."""
 
 from datetime import UTC, datetime, timedelta
 

@@ -2,20 +2,13 @@
 fold (portal.fleet.history) and the dashboards' reading of it (portal.fleet.selectors), on a
 real SQLite file. test_history_fold and test_history_selector run every test on that path too."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests.portal.embedded_sqlite import run_on_embedded_sqlite
 
 
 def test_the_history_folds_and_reads_on_the_embedded_sqlite_database(tmp_path):
     """make run without DATABASE_URL: the beat task folds (a rerun writes nothing new) and the
     fleet dashboard reads the folded minutes."""
-    root = Path(__file__).resolve().parents[3]
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}", DJANGO_SETTINGS_MODULE="portal.settings")
     code = (
-        "import django; django.setup()\n"
         "from datetime import UTC, datetime, timedelta\n"
         "from django.core.management import call_command\n"
         "call_command('migrate', verbosity=0)\n"
@@ -35,8 +28,7 @@ def test_the_history_folds_and_reads_on_the_embedded_sqlite_database(tmp_path):
         "print(history['resolution'], history['series']['num_running'], history['series']['loads_per_min'])\n"
         "for r in WorkerSample.objects.exclude(resolution='raw').order_by('resolution', 'at'):\n"
         "    print(r.resolution, r.at.minute, r.polls, round(r.num_running, 3), r.num_running_max, r.loads)\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = run_on_embedded_sqlite(code, tmp_path / "db.sqlite3")
 
     assert result.returncode == 0, result.stderr
     first, rerun, read, *folded = result.stdout.strip().splitlines()
