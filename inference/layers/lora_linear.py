@@ -113,13 +113,31 @@ class LoRALinear(Linear):
             self._filled[i].add(slot)
         self._refresh()
 
-    def clear_slot(self, slot: int) -> None:
+    def clear_slot(self, slot: int, *, zero: bool = True) -> None:
+        """Empty `slot`: its delta is no longer added. zero=False leaves its rows as they are,
+        for `zero_slot` later or for `set_slot` to overwrite: an empty slot is never read (no
+        token maps to it) and set_slot writes every element of a slot, so an eviction that
+        refills the slot at once skips a pass over it."""
         for i, filled in enumerate(self._filled):
             if slot in filled:
-                self.lora_a[i][slot].zero_()
-                self.lora_b[i][slot].zero_()
+                if zero:
+                    self.lora_a[i][slot].zero_()
+                    self.lora_b[i][slot].zero_()
                 filled.discard(slot)
         self._refresh()
+
+    def zero_slot(self, slot: int) -> None:
+        """Zero every row of an empty `slot` (what `clear_slot(zero=False)` left)."""
+        if any(slot in filled for filled in self._filled):
+            raise RuntimeError(f"slot {slot} holds an adapter: clear it first")
+        stacks = self._cpu_stacks
+        if stacks is not None:  # the slot's rows in one pass per stack, not one per slice
+            stacks.a_t[slot].zero_()
+            for b in stacks.b_t:
+                b[slot].zero_()
+        else:
+            for stack in (*self.lora_a, *self.lora_b):
+                stack[slot].zero_()
 
     def copy_slot(self, slot: int, rank: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every slice's rows of `slot` at `rank`, copied out in `dtype`: per slice (A [rank, in],

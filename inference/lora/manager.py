@@ -145,9 +145,18 @@ class AdapterManager:
 
     def _deactivate(self, slot: int) -> None:
         adapter = self._shared.pop(slot, None)
-        if adapter is not None:  # its rows are about to be zeroed: the host tier keeps a copy
+        if adapter is not None:  # its rows are about to be reused: the host tier keeps a copy
             self.slots.unshare(slot, adapter)
-        self.slots.deactivate(slot)
+        # Not zeroed here: the cache empties a slot mostly to refill it at once (a cold
+        # adapter's first step), and activate writes every element anyway. A slot still empty
+        # at the next step (an adapter removed) is zeroed then, off the request's first token.
+        self.slots.deactivate(slot, zero=False)
+        self._on_step_thread.append(lambda: self._zero_if_empty(slot))
+
+    def _zero_if_empty(self, slot: int) -> None:
+        with self.cache._lock:
+            if self.cache.slots[slot] is None:
+                self.slots.zero(slot)
 
     # -- loading -------------------------------------------------------------------------
     def _load(self, source: tuple[Path, str]) -> LoRAAdapter:

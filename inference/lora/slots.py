@@ -71,10 +71,19 @@ class LoRASlots:
             projection.set_slot(slot, [None if w is None else (w.a, w.b) for w in weights])
         self.ranks[slot] = adapter.rank
 
-    def deactivate(self, slot: int) -> None:
+    def deactivate(self, slot: int, *, zero: bool = True) -> None:
+        """Empty `slot`. zero=False leaves its rows for `activate` to overwrite (it writes every
+        element) or for `zero` later: see LoRALinear.clear_slot."""
         self.ranks[slot] = 0
         for _, projection in self.projections:
-            projection.clear_slot(slot)
+            projection.clear_slot(slot, zero=zero)
+
+    def zero(self, slot: int) -> None:
+        """Zero the rows an empty `slot` still holds after `deactivate(slot, zero=False)`."""
+        if self.ranks[slot]:
+            raise RuntimeError(f"slot {slot} holds an adapter: deactivate it first")
+        for _, projection in self.projections:
+            projection.zero_slot(slot)
 
     # -- the host tier sharing slot memory (CPU) ----------------------------------------------
     def slot_weights(self, slot: int, key: tuple[int, str], rank: int) -> tuple[torch.Tensor, torch.Tensor]:

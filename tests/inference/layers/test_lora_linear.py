@@ -105,6 +105,31 @@ def test_refilling_a_slot_replaces_the_previous_adapter_entirely():
     assert layer.lora_a[0][1, 2:].abs().sum() == 0 and layer.lora_b[1][1].abs().sum() == 0
 
 
+def test_a_slot_emptied_without_zeroing_adds_nothing_and_is_overwritten_whole_when_refilled():
+    layer = make_layer(torch.float32)
+    x = torch.randn(2, IN)
+    layer.set_slot(1, [random_slice(8, n, torch.float32) for n in SIZES])
+    layer.clear_slot(1, zero=False)  # an eviction about to refill the slot: rows left as they are
+    stale = build_lora_metadata(torch.tensor([1, 1]), torch.tensor([0, 8, 0]))
+    assert not layer.adapted and torch.equal(layer(x, stale), layer(x))
+    layer.set_slot(0, [random_slice(4, 16, torch.float32), None, None])
+    with pytest.raises(RuntimeError, match="holds an adapter"):
+        layer.zero_slot(0)  # only an empty slot is zeroed: a filled one's adapter stays
+
+    new = [random_slice(2, 16, torch.float32), None, None]
+    layer.set_slot(1, new)
+    meta = build_lora_metadata(torch.tensor([1, 1]), torch.tensor([4, 8, 0]))  # read up to rank 8
+    expected = layer(x)
+    expected[:, :16] += x @ new[0][0].T @ new[0][1].T
+    torch.testing.assert_close(layer(x, meta), expected)
+    assert layer.lora_a[0][1, 2:].abs().sum() == 0 and layer.lora_b[1][1].abs().sum() == 0
+
+    layer.clear_slot(1, zero=False)
+    layer.zero_slot(1)
+    assert layer.lora_a[0][1].abs().sum() == 0 and layer.lora_b[0][1].abs().sum() == 0
+    assert layer.lora_a[0][0].abs().sum() > 0  # slot 0 untouched
+
+
 def test_wrong_slice_counts_are_refused_by_name():
     with pytest.raises(ValueError, match="slice_names"):
         LoRALinear(IN, SIZES, slice_names=("q_proj", "k_proj"))

@@ -184,8 +184,31 @@ def test_remove_lets_running_requests_finish_and_refuses_new_ones(engine: LLMEng
     engine.step()
     assert engine.list_adapters() == [] and info.id not in engine.adapters.cache.entries
     assert engine.adapters.slots.ranks.tolist() == [0, 0]  # its slot was cleared
+    stacks = [t for _, p in engine.adapters.slots.projections for t in p.lora_a + p.lora_b]
+    assert all(t.abs().sum() == 0 for t in stacks)  # and its rows zeroed, a step after removal
     with pytest.raises(AdapterNotFoundError):
         engine.remove_adapter("a")
+
+
+def test_a_slot_refilled_by_an_eviction_serves_exactly_the_new_adapter(root: Path, tmp_path: Path) -> None:
+    """An eviction leaves the slot's rows for the next adapter to overwrite (no zeroing pass):
+    a narrower adapter (rank 8 on q/v/down) after a wider one (rank 16 on every projection)
+    must leave nothing of the wider one behind."""
+    write_peft_adapter(tmp_path / "wide", seed=5, r=16, lora_alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    fresh = make_engine(root, max_loras=1)
+    try:
+        expected = run(fresh, LoRARequest("a", root / "a"))
+    finally:
+        fresh.shutdown()
+    engine = make_engine(root, max_loras=1)
+    try:
+        wide = run(engine, LoRARequest("wide", tmp_path / "wide"))
+        assert run(engine, LoRARequest("a", root / "a")) == expected != wide
+        assert engine.lora_stats()["evictions"]["device"] == 1
+        assert run(engine, "wide") == wide  # the evicted one, back from the host tier, intact
+    finally:
+        engine.shutdown()
 
 
 def test_pinned_adapter_is_never_evicted(engine: LLMEngine, root: Path) -> None:

@@ -183,6 +183,27 @@ def test_weights_that_overflow_the_serving_dtype(adapter_dir: Path) -> None:
     assert refused(adapter_dir) == f"tensor '{Q_B} (scaled by 100, as torch.float32)' contains Inf values"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_scaled_in_place_past_their_own_dtype_are_refused(adapter_dir: Path, dtype) -> None:
+    """Stored in the serving dtype, B is scaled where it lies: a product past that dtype's
+    largest value is Inf and refused; one just below it loads."""
+    big = torch.finfo(dtype).max / 50
+
+    def store(value):
+        def edit(tensors):
+            for key in tensors:
+                tensors[key] = tensors[key].to(dtype)
+            tensors[Q_B][0, 0] = value
+        return edit
+
+    edit_config(adapter_dir, lora_alpha=400)  # scale 100
+    edit_tensors(adapter_dir, store(big))
+    assert refused(adapter_dir, dtype=dtype) == f"tensor '{Q_B} (scaled by 100, as {dtype})' contains Inf values"
+    edit_tensors(adapter_dir, store(big / 4))
+    scaled = load(adapter_dir, dtype=dtype).get(0, "q_proj").b[0, 0].item()
+    assert scaled == pytest.approx(float(torch.tensor(big / 4, dtype=dtype)) * 100, rel=1e-2)
+
+
 def test_weights_that_overflow_half_precision(adapter_dir: Path) -> None:
     edit_tensors(adapter_dir, lambda t: t[Q_A].__setitem__((0, 0), 1e5))  # float16 tops out at 65504
     assert refused(adapter_dir, dtype=torch.float16) == f"tensor '{Q_A} (as torch.float16)' contains Inf values"
