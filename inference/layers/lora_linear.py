@@ -69,6 +69,7 @@ class LoRALinear(Linear):
         self._filled: list[set[int]] = []
         # The filled slices' stacks (see _Live); None: nothing to add.
         self._live: _Live | None = None
+        self._live_index: list[int] = []  # the slices _live holds
 
     # -- slots (the slot manager, on the engine's step thread) ------------------------------
     def create_slots(
@@ -91,6 +92,7 @@ class LoRALinear(Linear):
                 for n in self.output_sizes
             ]
         self._filled = [set() for _ in self.output_sizes]
+        self._live = None  # new stacks: nothing of the old ones' views is kept
         self._refresh()
 
     def set_slot(self, slot: int, weights: Sequence[SliceWeights]) -> None:
@@ -107,9 +109,10 @@ class LoRALinear(Linear):
             r = a.shape[0]
             # each element written once: the adapter's rows, then zeros past its rank
             self.lora_a[i][slot, :r].copy_(a, non_blocking=True)  # [r, in]
-            self.lora_a[i][slot, r:].zero_()
             self.lora_b[i][slot, :, :r].copy_(b, non_blocking=True)  # [n_s, r]
-            self.lora_b[i][slot, :, r:].zero_()
+            if r < self.lora_a[i].shape[1]:
+                self.lora_a[i][slot, r:].zero_()
+                self.lora_b[i][slot, :, r:].zero_()
             self._filled[i].add(slot)
         self._refresh()
 
@@ -153,6 +156,9 @@ class LoRALinear(Linear):
 
     def _refresh(self) -> None:
         live = [i for i, filled in enumerate(self._filled) if filled]
+        if self._live is not None and live == self._live_index:
+            return  # same slices as before: the stacks' views are the same tensors
+        self._live_index = live
         # Swapped in as one tuple, so a forward reading it sees either the old set or the new.
         self._live = (
             (
