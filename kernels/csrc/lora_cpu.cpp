@@ -219,8 +219,13 @@ inline __m512i pair_order() {  // output element 2j <- input j, 2j+1 <- input 16
 }
 
 inline __m512i broadcast_pair(const c10::BFloat16* p, bool has_second) {  // (p[0], p[1] or 0)
+  if (has_second) {  // straight from memory: a load-port broadcast, not a shuffle-port one
+    float v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm512_castps_si512(_mm512_set1_ps(v));
+  }
   uint32_t v = 0;
-  __builtin_memcpy(&v, p, has_second ? 4 : 2);
+  __builtin_memcpy(&v, p, 2);
   return _mm512_set1_epi32(static_cast<int>(v));
 }
 
