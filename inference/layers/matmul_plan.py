@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_fused
-from kernels.cpu_stacks import cpu_stacks
+from kernels.cpu_stacks import CpuStacks, cpu_stacks
 from kernels.lora_ops import add_lora_cpu
 from kernels.metadata import build_lora_metadata
 
@@ -146,6 +146,7 @@ def choose_plan(
     if device.type != "cpu":
         return replace(native_plan(dtype), lora_kernel="triton")
     weights, projections = _sample_weights(model), _lora_projections(model)
+    copies = _lora_race_copies(model, projections)
     if dtype == torch.float32 or any(w.numel() == 0 for w in weights):
         # fp32 has nothing to choose; quantised projections (--weights-dtype) run their own kernels
         plan = native_plan(dtype)
@@ -153,19 +154,20 @@ def choose_plan(
         plan = forced_plan(requested, dtype)
     else:
         plan = calibrate(weights, dtype, max_rows=max_rows, allow_cache=_fp32_copy_fits(model),
-                         lora_projections=projections)  # fmt: skip
-    return with_lora_kernel(plan, lora_kernel, projections, dtype)
+                         lora_projections=projections, lora_copies=copies)  # fmt: skip
+    return with_lora_kernel(plan, lora_kernel, projections, dtype, copies=copies)
 
 
 def with_lora_kernel(
     plan: MatmulPlan, requested: str, projections: list[tuple[int, list[int]]], dtype: torch.dtype,
-    rank: int = 16,
+    rank: int = 16, copies: int = 1,
 ) -> MatmulPlan:
     """`plan` with its CPU LoRA kernel: "torch"; "fused" (RuntimeError where it cannot be built
     here, the reason given); or "auto": the faster of the two on `projections` (in_features,
     output slices) with x in `dtype` and the stacks in the plan's LoRA dtype, and the fused one
     with model-dtype stacks too (taking that dtype when it wins); torch where the fused kernel
-    cannot be built (its first build here takes ~15-35 s, then it is cached)."""
+    cannot be built (its first build here takes ~15-35 s, then it is cached). `copies`: see
+    _lora_delta."""
     if requested not in LORA_KERNEL_CHOICES:
         raise ValueError(f"lora kernel must be one of {', '.join(LORA_KERNEL_CHOICES)}, got {requested!r}")
     if requested == TORCH_KERNEL:
@@ -177,14 +179,14 @@ def with_lora_kernel(
         return replace(plan, lora_kernel=FUSED_KERNEL)
     if op is None or (dtype, plan.lora_dtype) not in cpu_fused.DTYPES:
         return replace(plan, lora_kernel=TORCH_KERNEL)
-    candidates = {kernel: _lora_delta(projections, dtype, plan.lora_dtype, rank, kernel)
+    candidates = {kernel: _lora_delta(projections, dtype, plan.lora_dtype, rank, kernel, copies)
                   for kernel in (TORCH_KERNEL, FUSED_KERNEL)}  # fmt: skip
     # The fused kernel widens model-dtype weights in registers, under fp32 products too, so
     # model-dtype stacks (half fp32's bytes, read every step) are a candidate even where the
     # plan kept fp32 stacks for the torch path's sake.
     narrow = f"{FUSED_KERNEL}-{str(dtype).removeprefix('torch.')}"
     if plan.lora_dtype != dtype and {(dtype, dtype), (torch.float32, dtype)} <= cpu_fused.DTYPES:
-        candidates[narrow] = _lora_delta(projections, dtype, dtype, rank, FUSED_KERNEL)
+        candidates[narrow] = _lora_delta(projections, dtype, dtype, rank, FUSED_KERNEL, copies)
     seconds = race(candidates)
     best = min(seconds, key=seconds.get)
     timings = {**plan.timings, "lora_kernel": seconds}
@@ -196,7 +198,7 @@ def with_lora_kernel(
 def calibrate(
     weights: list[torch.Tensor], dtype: torch.dtype, *, max_rows: int = CLASS_ROWS["prefill"],
     allow_cache: bool = True, lora_projections: list[tuple[int, list[int]]] | None = None,
-    lora_rank: int = 16,
+    lora_rank: int = 16, lora_copies: int = 1,
 ) -> MatmulPlan:
     """Time each path on `weights` (the model's projection weights [out, in], in `dtype`) for each
     shape class; the fastest wins. The LoRA delta is timed on `lora_projections` (in_features,
@@ -218,7 +220,8 @@ def calibrate(
         paths[cls] = _winner(timings[cls])
     # The LoRA stacks take the model dtype only where every product is native and that measures
     # faster; an fp32 product would have to upcast them every step.
-    timings["lora"] = race({str(d).removeprefix("torch."): _lora_delta(lora_projections, dtype, d, lora_rank)
+    timings["lora"] = race({str(d).removeprefix("torch."): _lora_delta(lora_projections, dtype, d, lora_rank,
+                                                                       copies=lora_copies)
                              for d in (dtype, torch.float32)})  # fmt: skip
     native_lora = timings["lora"][str(dtype).removeprefix("torch.")] <= timings["lora"]["float32"]
     lora_dtype = dtype if native_lora and set(paths.values()) == {NATIVE} else torch.float32
@@ -253,26 +256,47 @@ def linear_fp32(
 
 def _lora_delta(
     projections: list[tuple[int, list[int]]], x_dtype: torch.dtype, stack_dtype: torch.dtype, rank: int,
-    kernel: str = TORCH_KERNEL,
+    kernel: str = TORCH_KERNEL, copies: int = 1,
 ) -> Callable[[], object]:
     """The engine's own LoRA delta (kernels.lora_ops.add_lora_cpu with `kernel`) on the model's
     projections (in_features, output slices), added into their output in `x_dtype`: 16 decode
     tokens over 4 adapters (the padded batch) and a 256-token prefill chunk of one adapter, the
-    stacks in `stack_dtype` (fp32 stacks under bf16 activations convert x and out per call)."""
+    stacks in `stack_dtype` (fp32 stacks under bf16 activations convert x and out per call).
+    The decode step runs over `copies` distinct stacks per projection, as the engine's decode
+    step runs over every layer's: there they come from memory each step, so fp32 stacks (twice
+    the bytes) cost up to twice what one copy, in cache, shows (2-core Xeon: fused kernel 8.0 ms
+    a step on bf16 stacks, 11.3 on fp32, where one copy in cache timed them 430 vs 416 us)."""
     slots = 4
-    steps = [build_lora_metadata(t, torch.full((slots,), rank))
-             for t in (torch.arange(16) // 4, torch.zeros(256, dtype=torch.long))]  # fmt: skip
+    decode = build_lora_metadata(torch.arange(16) // 4, torch.full((slots,), rank))
+    prefill = build_lora_metadata(torch.zeros(256, dtype=torch.long), torch.full((slots,), rank))
     calls = []
     for in_features, sizes in projections:
-        stacks, _, _ = cpu_stacks(slots, rank, in_features, sizes, stack_dtype)
-        stacks.a_t.normal_(std=0.01)
-        for bt in stacks.b_t:
-            bt.normal_(std=0.01)
-        for meta in steps:
+        stacks = [_race_stacks(slots, rank, in_features, sizes, stack_dtype) for _ in range(max(1, copies))]
+        for meta, used in ((decode, stacks), (prefill, stacks[:1])):
             x = torch.randn(meta.num_tokens, in_features).to(x_dtype)
             out = torch.zeros(meta.num_tokens, sum(sizes), dtype=x_dtype)
-            calls.append((out, x, stacks, meta, kernel))
+            calls += [(out, x, s, meta, kernel) for s in used]
     return lambda: [add_lora_cpu(*call) for call in calls]
+
+
+def _race_stacks(slots: int, rank: int, in_features: int, sizes: list[int], dtype: torch.dtype) -> CpuStacks:
+    stacks, _, _ = cpu_stacks(slots, rank, in_features, sizes, dtype)
+    stacks.a_t.normal_(std=0.01)
+    for bt in stacks.b_t:
+        bt.normal_(std=0.01)
+    return stacks
+
+
+# The race's decode stacks in all (at fp32): past the caches, as the engine's are; bounds the
+# race's memory and time on large models.
+LORA_RACE_BYTES = 64 << 20
+
+
+def _lora_race_copies(model: torch.nn.Module, projections: list[tuple[int, list[int]]], rank: int = 16) -> int:
+    """How many layers' stacks the LoRA race's decode step reads: the model's layer count, up
+    to LORA_RACE_BYTES of fp32 stacks over 4 slots."""
+    per_layer = sum(4 * rank * (in_features * len(sizes) + sum(sizes)) * 4 for in_features, sizes in projections)
+    return max(1, min(len(model.layers), LORA_RACE_BYTES // max(1, per_layer)))
 
 
 def race(candidates: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, float]:

@@ -167,3 +167,25 @@ def test_without_a_fused_kernel_auto_takes_torch_and_fused_says_why(tiny_dir, mo
         with_lora_kernel(plan, "fused", projections, torch.bfloat16)
     with pytest.raises(ValueError, match="lora kernel must be one of auto, fused, torch"):
         with_lora_kernel(plan, "fastest", projections, torch.bfloat16)
+
+
+def test_the_lora_race_reads_every_layers_stacks_up_to_a_bound(tiny_dir, monkeypatch):
+    """In the engine a decode step reads each layer's stacks from memory, so the race's decode
+    step reads as many distinct stacks as the model has layers (fp32 stacks then cost their
+    bytes), bounded in memory for large models."""
+    model = load_model(tiny_dir, dtype=torch.bfloat16, progress=False)
+    projections = matmul_plan._lora_projections(model)
+    assert matmul_plan._lora_race_copies(model, projections) == len(model.layers) > 1
+    monkeypatch.setattr(matmul_plan, "LORA_RACE_BYTES", 1)
+    assert matmul_plan._lora_race_copies(model, projections) == 1
+
+    stacks_made = []
+    real = matmul_plan._race_stacks
+    monkeypatch.setattr(matmul_plan, "_race_stacks", lambda *a: stacks_made.append(real(*a)) or stacks_made[-1])
+    calls = []
+    monkeypatch.setattr(matmul_plan, "add_lora_cpu", lambda *call: calls.append(call))
+    matmul_plan._lora_delta(projections, torch.bfloat16, torch.bfloat16, 16, copies=3)()
+    assert len(stacks_made) == 3 * len(projections)
+    decode = [c for c in calls if c[3].num_tokens == 16]
+    assert len({id(c[2]) for c in decode}) == 3 * len(projections)  # each copy read once a step
+    assert len([c for c in calls if c[3].num_tokens == 256]) == len(projections)  # prefill: one
