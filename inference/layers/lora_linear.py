@@ -190,10 +190,17 @@ class LoRALinear(Linear):
         if lora_meta is None or live is None:
             return super().forward(x)
         if self.packed is None and upcasts_to_fp32(x, self.plan):
-            # The plan computes this product in fp32: add the adapters' delta to the fp32
-            # product, in place, and round once (no second upcast of x, no [T, out] temporary).
             x32 = x.float()  # [T, in]
             out32 = linear_fp32(x32, self.weight, self.bias, self.weight32)  # [T, out] fp32
+            if live[0][0].dtype == x.dtype:
+                # Stacks in the model dtype (the plan found the fused kernel faster on them, at
+                # half fp32's bytes): the delta as the plan timed it, on x as it is, added to the
+                # rounded product as on the native path (fp32 x would widen every weight).
+                out = out32.to(x.dtype)
+                _add_delta(live, out, x, lora_meta, self.plan.lora_kernel)
+                return out
+            # fp32 stacks: the delta added to the fp32 product, in place, and rounded once (no
+            # second upcast of x, no [T, out] temporary).
             _add_delta(live, out32, x32, lora_meta, self.plan.lora_kernel)
             return out32.to(x.dtype)
         out = self.base_product(x)  # [T, out]: native (or a quantised weight's product)

@@ -4,11 +4,14 @@ the base product; a slice no resident adapter adapts adds nothing; a cleared slo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from inference.layers.lora_linear import LoRALinear
 from inference.layers.matmul_plan import FP32_CACHED, FP32_UPCAST, NATIVE, forced_plan
+from kernels import cpu_fused
 from kernels.metadata import build_lora_metadata
 
 IN, SIZES, MAX_LORAS, MAX_RANK = 24, [16, 8, 8], 3, 8
@@ -71,6 +74,33 @@ def test_each_token_gets_its_slots_delta_slice_by_slice(dtype, path, lora_dtype,
     base = layer(x)  # no metadata: the base product alone
     assert torch.equal(out[token_slots < 0], base[token_slots < 0])
     assert torch.equal(out[token_slots == 0, 16:24], base[token_slots == 0, 16:24])  # slot 0 skips k
+
+
+@pytest.mark.parametrize("path", [FP32_UPCAST, FP32_CACHED])
+def test_bf16_stacks_under_an_fp32_product_add_the_delta_as_the_native_path_does(path):
+    """The plan may keep bf16 stacks under fp32 products (the fused kernel raced faster on them):
+    the delta then runs on bf16 x into the rounded product, like the native path's."""
+    if cpu_fused.fused_op() is None:
+        pytest.skip(f"the fused kernel cannot be built here: {cpu_fused.unavailable_reason()}")
+    layers = {}
+    for p in (path, NATIVE):
+        layer = make_layer(torch.bfloat16, p, torch.bfloat16)
+        layer.set_plan(replace(forced_plan(p, torch.bfloat16), lora_dtype=torch.bfloat16, lora_kernel="fused"))
+        torch.manual_seed(1)
+        layer.set_slot(1, [random_slice(8, n, torch.bfloat16) for n in SIZES])
+        layers[p] = layer
+    x = torch.randn(5, IN).to(torch.bfloat16)
+    meta = build_lora_metadata(torch.tensor([1, -1, 1, 1, -1]), torch.tensor([0, 8, 0]))
+    layer = layers[path]
+    out, base = layer(x, meta), layer(x)  # base: the fp32 product, rounded
+    adapted = [0, 2, 3]
+    expected = base.float()
+    for s, (lo, n) in enumerate(zip([0, 16, 24], SIZES, strict=True)):
+        a, b = layer.lora_a[s][1].float(), layer.lora_b[s][1].float()  # [8, IN], [n, 8]
+        expected[adapted, lo : lo + n] += x[adapted].float() @ a.T @ b.T
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    assert torch.equal(out[[1, 4]], base[[1, 4]])  # base-only tokens: the product alone
+    torch.testing.assert_close(out.float(), layers[NATIVE](x, meta).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_unadapted_slices_and_cleared_slots_add_nothing():
