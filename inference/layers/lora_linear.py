@@ -121,13 +121,11 @@ class LoRALinear(Linear):
         for `zero_slot` later or for `set_slot` to overwrite: an empty slot is never read (no
         token maps to it) and set_slot writes every element of a slot, so an eviction that
         refills the slot at once skips a pass over it."""
-        for i, filled in enumerate(self._filled):
-            if slot in filled:
-                if zero:
-                    self.lora_a[i][slot].zero_()
-                    self.lora_b[i][slot].zero_()
-                filled.discard(slot)
+        for filled in self._filled:
+            filled.discard(slot)
         self._refresh()
+        if zero:
+            self.zero_slot(slot)
 
     def zero_slot(self, slot: int) -> None:
         """Zero every row of an empty `slot` (what `clear_slot(zero=False)` left)."""

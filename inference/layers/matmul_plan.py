@@ -67,6 +67,9 @@ ROUNDS = 5
 SWITCH_FACTOR = {FP32_UPCAST: 0.9, FP32_CACHED: 0.75}
 ROUND_SECONDS = 0.002
 GIVE_UP_FACTOR = 3.0
+# The LoRA race's decode stacks in all (at fp32): past the caches, as the engine's are; bounds
+# the race's memory and time on large models (see _lora_delta).
+LORA_RACE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -285,11 +288,6 @@ def _race_stacks(slots: int, rank: int, in_features: int, sizes: list[int], dtyp
     for bt in stacks.b_t:
         bt.normal_(std=0.01)
     return stacks
-
-
-# The race's decode stacks in all (at fp32): past the caches, as the engine's are; bounds the
-# race's memory and time on large models.
-LORA_RACE_BYTES = 64 << 20
 
 
 def _lora_race_copies(model: torch.nn.Module, projections: list[tuple[int, list[int]]], rank: int = 16) -> int:
