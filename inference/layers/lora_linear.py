@@ -29,7 +29,7 @@ The stacks are plain attributes, not parameters or buffers: they are not checkpo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import torch
@@ -42,6 +42,12 @@ from kernels.metadata import LoRABatchMetadata
 
 # (a [r, in_features], b [n_s, r] with the scale folded in) for one slice, or None: not adapted
 SliceWeights = tuple[torch.Tensor, torch.Tensor] | None
+# (source, dtype) -> a contiguous copy of the source in dtype: a new tensor, or a HostArena's
+CopyOut = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def copied(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return src.to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 class LoRALinear(Linear):
@@ -140,17 +146,20 @@ class LoRALinear(Linear):
             for stack in (*self.lora_a, *self.lora_b):
                 stack[slot].zero_()
 
-    def copy_slot(self, slot: int, rank: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Every slice's rows of `slot` at `rank`, copied out in `dtype`: per slice (A [rank, in],
-        B [n_s, rank]), views of one copy of the CPU stacks' slot (one contiguous pass for A and
-        one per slice for B, not one strided copy per slice). None where that copy would hold
-        more than those views show (not on the CPU, or `rank` beyond the stacks')."""
+    def copy_slot(
+        self, slot: int, rank: int, dtype: torch.dtype, copy: CopyOut = copied
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every slice's rows of `slot` at `rank`, copied out in `dtype` by `copy`: per slice
+        (A [rank, in], B [n_s, rank]), views of one copy of the CPU stacks' slot (one contiguous
+        pass for A and one per slice for B, not one strided copy per slice). None where that
+        copy would hold more than those views show (not on the CPU, or `rank` beyond the
+        stacks')."""
         stacks = self._cpu_stacks
         if stacks is None or not 1 <= rank <= stacks.max_rank:
             return None
         n = stacks.num_slices
-        a_t = stacks.a_t[slot, :, : rank * n].to(dtype, copy=True)  # [in, rank·S], rank-major
-        return [(a_t[:, s::n].T, stacks.b_t[s][slot, :rank].to(dtype, copy=True).T) for s in range(n)]
+        a_t = copy(stacks.a_t[slot, :, : rank * n], dtype)  # [in, rank·S], rank-major
+        return [(a_t[:, s::n].T, copy(stacks.b_t[s][slot, :rank], dtype).T) for s in range(n)]
 
     def _refresh(self) -> None:
         live = [i for i, filled in enumerate(self._filled) if filled]

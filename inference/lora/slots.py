@@ -28,6 +28,7 @@ import torch
 
 from inference.layers.lora_linear import LoRALinear
 from inference.lora.adapter import LoRAAdapter
+from inference.lora.host_memory import HostArena
 from kernels.metadata import LoRABatchMetadata, build_lora_metadata
 
 
@@ -113,21 +114,29 @@ class LoRASlots:
         it), so the host tier still holds it. A projection whose every slice the adapter adapts
         at one rank is copied whole (a few contiguous copies: an eviction costs ~1 ms instead
         of ~8 for one strided copy per module, 9 MiB adapter, 2-core AMD EPYC); the others
-        module by module, so the copy holds nothing the adapter does not."""
+        module by module, so the copy holds nothing the adapter does not. All in one HostArena
+        block."""
+        # One block for the whole copy (see host_memory: fresh memory faults page by page)
+        arena = HostArena(HostArena.nbytes_for(
+            [(tuple(t.shape), t.dtype) for w in adapter.weights.values() for t in (w.a, w.b)]
+        ))  # fmt: skip
         for layer_idx, projection in self.projections:
             found = [adapter.weights.get((layer_idx, name)) for name in projection.slice_names]
             whole = None
-            if all(w is not None for w in found) and len({w.rank for w in found}) == 1:
-                whole = projection.copy_slot(slot, found[0].rank, found[0].a.dtype)
+            if (
+                all(w is not None for w in found)
+                and len({w.rank for w in found}) == 1
+                and len({t.dtype for w in found for t in (w.a, w.b)}) == 1
+            ):
+                whole = projection.copy_slot(slot, found[0].rank, found[0].a.dtype, arena.copy)
             for i, w in enumerate(found):
                 if w is None:
                     continue
-                if whole is not None and whole[i][0].dtype == w.a.dtype == w.b.dtype:
+                if whole is not None:
                     a, b = whole[i]
                 else:
                     a, b = self.slot_weights(slot, (layer_idx, projection.slice_names[i]), w.rank)
-                    a = a.to(w.a.dtype, memory_format=torch.contiguous_format, copy=True)
-                    b = b.to(w.b.dtype, memory_format=torch.contiguous_format, copy=True)
+                    a, b = arena.copy(a, w.a.dtype), arena.copy(b, w.b.dtype)
                 w.a.set_(a)  # [r, in]
                 w.b.set_(b)  # [n_s, r]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import stat
 import struct
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from inference.lora import host_memory
 from inference.lora.errors import AdapterError
 from inference.models.config import LlamaConfig
 from protocol.adapter_format import AdapterCheck, BaseShapes, check_adapter_dir
@@ -114,19 +116,20 @@ TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _UINTS = {2: np.uint16, 4: np.uint32, 8: np.uint64}  # bit patterns per item size
 
 
-def read_weights(adapter: str, path: Path, header: Mapping[str, TensorInfo]) -> bytearray:
+def read_weights(adapter: str, path: Path, header: Mapping[str, TensorInfo]) -> bytearray | mmap.mmap:
     """The whole weights file in one read, refused unless its header is still the one the rules
     judged (`header`, from check_adapter): the tensors are then views of the returned buffer at
-    the judged offsets. One read syscall into memory we own: no per-tensor copies, no mmap
-    whose pages another writer could change under us."""
+    the judged offsets. One read syscall into memory we own (a pooled block, already faulted
+    in when reused: see host_memory): no per-tensor copies, no file mapping whose pages
+    another writer could change under us."""
     changed = AdapterError(adapter, f"{WEIGHTS_FILE} changed while it was being loaded")
     try:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size != max(t.end for t in header.values()):
                 raise changed
-            data = bytearray(size)
-            view, done = memoryview(data), 0
+            data = host_memory.BLOCKS.take(size)  # len(data) >= size; a reused block's old bytes beyond
+            view, done = memoryview(data)[:size], 0
             while done < size:
                 n = f.readinto(view[done:])
                 if not n:
@@ -150,7 +153,7 @@ def read_weights(adapter: str, path: Path, header: Mapping[str, TensorInfo]) -> 
     return data
 
 
-def tensor_view(data: bytearray, info: TensorInfo) -> torch.Tensor:
+def tensor_view(data: bytearray | mmap.mmap, info: TensorInfo) -> torch.Tensor:
     """The tensor `info` describes, as a view of `data` (no copy); its dtype as stored."""
     dtype = TORCH_DTYPES[info.dtype]
     count = (info.end - info.start) // dtype.itemsize
@@ -159,7 +162,7 @@ def tensor_view(data: bytearray, info: TensorInfo) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype, count=count, offset=info.start).view(info.shape)
 
 
-def all_finite(data: bytearray, header: Mapping[str, TensorInfo]) -> bool:
+def all_finite(data: bytearray | mmap.mmap, header: Mapping[str, TensorInfo]) -> bool:
     """Whether every tensor in `data` is free of NaN/Inf. One numpy pass over the data region
     when every tensor has one dtype (the usual file): 420 small calls cost more than the bytes."""
     dtypes = {t.dtype for t in header.values()}
@@ -176,7 +179,7 @@ def all_finite(data: bytearray, header: Mapping[str, TensorInfo]) -> bool:
     return True
 
 
-def check_all_finite(adapter: str, data: bytearray, header: Mapping[str, TensorInfo]) -> None:
+def check_all_finite(adapter: str, data: bytearray | mmap.mmap, header: Mapping[str, TensorInfo]) -> None:
     """Refuse NaN/Inf in any tensor of `data`, naming the first bad one in name order."""
     for key in sorted(header):
         check_finite(adapter, key, tensor_view(data, header[key]))

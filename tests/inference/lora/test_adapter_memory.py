@@ -3,7 +3,9 @@ on a CPU an adapter in a device slot is held once (the slot), and gets its own h
 when it leaves the slot; a request for an adapter evicted from host memory starts its reload as
 it is queued; a reload that fails (the file went bad, or now holds other weights) finishes the
 request with an error instead of leaving it waiting; a weights file that changes between the
-checks and the read is refused. One device slot, a tiny fp32 checkpoint, PEFT-written adapters."""
+checks and the read is refused. One device slot, a tiny fp32 checkpoint, PEFT-written adapters;
+every block read into or copied out to comes from a pool that reuses them (host_memory), as a
+full-size adapter's do."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.lora import adapter as adapter_module
+from inference.lora import host_memory
 from inference.lora.adapter import load_adapter
 from inference.lora.errors import AdapterError
 from inference.lora.slots import LoRASlots
@@ -33,6 +36,12 @@ from tests.inference.lora.test_engine_adapters import truncate
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 3, 99, 42, 7]
+
+
+@pytest.fixture(autouse=True)
+def pooled_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny adapters through the block pool too (it serves blocks of 1 MiB and more)."""
+    monkeypatch.setattr(host_memory, "BLOCKS", host_memory.BlockPool(min_bytes=0))
 
 
 @pytest.fixture(scope="module")
