@@ -613,8 +613,9 @@ class LLMEngine:
         return self.adapters.stats() if self.adapters is not None else CacheStats().as_dict()
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes held: base weights, KV cache, adapter slots (device), adapters in host memory."""
-        adapters = self.adapters.memory() if self.adapters else {"adapter_slots": 0, "host_adapters": 0}
+        """Bytes held: base weights, KV cache, adapter slots (device), adapters in host memory,
+        free host blocks kept for adapter loads."""
+        adapters = self.adapters.memory() if self.adapters else {"adapter_slots": 0, "host_adapters": 0, "adapter_buffers": 0}
         return {
             "base_weights": sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
             + packed_nbytes(self.model)

@@ -58,7 +58,7 @@ class BlockPool:
     `min_bytes` get a new bytearray each time: malloc's own free lists serve those well.
     `spares`: fault in a spare block whenever a new one had to be handed out."""
 
-    def __init__(self, max_idle: int = 4, min_bytes: int = 1 << 20, spares: bool = True) -> None:
+    def __init__(self, max_idle: int = 2, min_bytes: int = 1 << 20, spares: bool = True) -> None:
         self.max_idle = max_idle
         self.min_bytes = min_bytes
         self.spares = spares

@@ -40,6 +40,7 @@ from types import MappingProxyType
 
 import torch
 
+from inference.lora import host_memory
 from inference.lora.adapter import LoRAAdapter, LoRAModuleWeights, load_adapter
 from inference.lora.cache import AdapterCache, Tier
 from inference.lora.request import LoRARequest
@@ -403,10 +404,15 @@ class AdapterManager:
         return self.cache.stats_snapshot()
 
     def memory(self) -> dict[str, int]:
-        """Bytes of the slot stacks, and of host-tier adapters beyond them (a CPU slot's adapter
-        is counted once, in the slots: its host entry is views of them)."""
+        """Bytes of the slot stacks, of host-tier adapters beyond them (a CPU slot's adapter is
+        counted once, in the slots: its host entry is views of them), and of the free blocks kept
+        for the next loads (host_memory.BLOCKS: the process's, whichever engine freed them)."""
         shared = sum(a.nbytes for a in list(self._shared.values()))
-        return {"adapter_slots": self.slots.nbytes, "host_adapters": max(0, self.cache.host_bytes - shared)}
+        return {
+            "adapter_slots": self.slots.nbytes,
+            "host_adapters": max(0, self.cache.host_bytes - shared),
+            "adapter_buffers": host_memory.BLOCKS.idle_bytes(),
+        }
 
     def shutdown(self) -> None:
         self.cache.shutdown()

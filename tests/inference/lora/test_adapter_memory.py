@@ -97,6 +97,7 @@ def held_once_then_copied_back(engine: LLMEngine, root: Path) -> None:
     first = run(engine, "a").token_ids
     assert tier(engine, "a") == "device"
     assert engine.memory_stats()["host_adapters"] == 0  # the slot is its only copy
+    assert engine.memory_stats()["adapter_buffers"] > 0  # its read buffer, kept for the next load
     engine.add_adapter("b", root / "b")
     b_tokens = run(engine, "b").token_ids  # takes the one slot: a leaves it for host memory
     assert (tier(engine, "a"), tier(engine, "b")) == ("host", "device")
