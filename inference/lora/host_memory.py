@@ -54,7 +54,8 @@ def new_block(nbytes: int) -> mmap.mmap | bytearray:
 
 class BlockPool:
     """Blocks handed out by `take` and reused once nothing refers to them; at most `max_idle`
-    free blocks are kept (the rest go back to the OS when the pool next looks). Requests under
+    free blocks are kept (the rest go back to the OS when the pool next looks: a `take`, or a
+    memory report through `idle_bytes`). Requests under
     `min_bytes` get a new bytearray each time: malloc's own free lists serve those well.
     `spares`: fault in a spare block whenever a new one had to be handed out."""
 
@@ -95,9 +96,14 @@ class BlockPool:
             self._making_spare = False
 
     def idle_bytes(self) -> int:
-        """Bytes of the free blocks the pool keeps."""
+        """Bytes of the free blocks the pool keeps, once those beyond `max_idle` are dropped
+        (blocks freed since the last `take`, an adapter removed say, are found here too)."""
         with self._lock:
-            return sum(len(self._blocks[i]) for i in range(len(self._blocks)) if _unreferenced(self._blocks, i))
+            free = [i for i in range(len(self._blocks)) if _unreferenced(self._blocks, i)]
+            kept = sum(len(self._blocks[i]) for i in free[: self.max_idle])
+            drop = set(free[self.max_idle :])
+            self._blocks = [b for i, b in enumerate(self._blocks) if i not in drop]
+            return kept
 
 
 def _unreferenced(blocks: list, i: int) -> bool:
