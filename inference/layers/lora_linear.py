@@ -42,12 +42,8 @@ from kernels.metadata import LoRABatchMetadata
 
 # (a [r, in_features], b [n_s, r] with the scale folded in) for one slice, or None: not adapted
 SliceWeights = tuple[torch.Tensor, torch.Tensor] | None
-# (source, dtype) -> a contiguous copy of the source in dtype: a new tensor, or a HostArena's
+# (source, dtype) -> a contiguous copy of the source in dtype (a HostArena's copy)
 CopyOut = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
-
-
-def copied(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return src.to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 class LoRALinear(Linear):
@@ -147,7 +143,7 @@ class LoRALinear(Linear):
                 stack[slot].zero_()
 
     def copy_slot(
-        self, slot: int, rank: int, dtype: torch.dtype, copy: CopyOut = copied
+        self, slot: int, rank: int, dtype: torch.dtype, copy: CopyOut
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every slice's rows of `slot` at `rank`, copied out in `dtype` by `copy`: per slice
         (A [rank, in], B [n_s, rank]), views of one copy of the CPU stacks' slot (one contiguous

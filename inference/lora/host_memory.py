@@ -74,13 +74,12 @@ class BlockPool:
         if nbytes < self.min_bytes:
             return bytearray(nbytes)
         with self._lock:
-            free = [i for i in range(len(self._blocks)) if _unreferenced(self._blocks, i)]
+            free = self._free()
             fits = [i for i in free if nbytes <= len(self._blocks[i]) <= 2 * nbytes + HUGE_PAGE]
             chosen = min(fits, key=lambda i: len(self._blocks[i]), default=None)
-            extra = [i for i in free if i != chosen][self.max_idle :]
             block = new_block(nbytes) if chosen is None else self._blocks[chosen]
-            self._blocks = [b for i, b in enumerate(self._blocks) if i not in extra and i != chosen]
-            self._blocks.append(block)
+            self._drop([i for i in free if i != chosen][self.max_idle :] + ([] if chosen is None else [chosen]))
+            self._blocks.append(block)  # (the chosen one moves to the end: in use)
             if chosen is None and self.spares and self.max_idle and not self._making_spare:
                 self._making_spare = True
                 threading.Thread(target=self._add_spare, args=(len(block),), name="lora-block", daemon=True).start()
@@ -99,11 +98,19 @@ class BlockPool:
         """Bytes of the free blocks the pool keeps, once those beyond `max_idle` are dropped
         (blocks freed since the last `take`, an adapter removed say, are found here too)."""
         with self._lock:
-            free = [i for i in range(len(self._blocks)) if _unreferenced(self._blocks, i)]
+            free = self._free()
             kept = sum(len(self._blocks[i]) for i in free[: self.max_idle])
-            drop = set(free[self.max_idle :])
-            self._blocks = [b for i, b in enumerate(self._blocks) if i not in drop]
+            self._drop(free[self.max_idle :])
             return kept
+
+    def _free(self) -> list[int]:
+        """Indices of the blocks nothing but the pool refers to (under the lock)."""
+        return [i for i in range(len(self._blocks)) if _unreferenced(self._blocks, i)]
+
+    def _drop(self, indices: list[int]) -> None:
+        """Forget the blocks at `indices` (under the lock); one nothing else holds is unmapped."""
+        gone = set(indices)
+        self._blocks = [b for i, b in enumerate(self._blocks) if i not in gone]
 
 
 def _unreferenced(blocks: list, i: int) -> bool:
