@@ -36,8 +36,9 @@ def machine_line() -> str:
 
 
 def plan_line(engine) -> str:
-    """Which path each shape class took in this engine, the LoRA stacks' dtype and kernel, and
-    the decode attention's kernel (each kernel with its start-up timings where it was raced)."""
+    """Which path each shape class took in this engine, the LoRA stacks' dtype and kernel, the
+    decode attention's kernel and the quantised weights' (each kernel with its start-up timings
+    where it was raced)."""
     plan = engine.matmul_plan.describe()
     paths = ", ".join(f"{c} {p}" for c, p in plan["paths"].items())
 
@@ -46,7 +47,8 @@ def plan_line(engine) -> str:
         return plan[name] + (" (" + ", ".join(f"{k} {us:.0f} us" for k, us in timed.items()) + ")" if timed else "")
 
     return (f"matmul plan ({plan['source']}): {paths}; LoRA in {plan['lora_dtype']}, kernel "
-            f"{kernel('lora_kernel')}; decode attention {kernel('attention_kernel')}")  # fmt: skip
+            f"{kernel('lora_kernel')}; decode attention {kernel('attention_kernel')}; quantised weights "
+            f"{kernel('quant_kernel')}")  # fmt: skip
 
 
 def gflops(fn, flops: float, min_seconds: float = 0.2) -> float:

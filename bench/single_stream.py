@@ -3,6 +3,10 @@
     python bench/single_stream.py [--model PATH] [--tokens 128] [--threads 2] [--repeats 3]
                                   [--modes auto,int8,int4] [--quick] [--no-quality]
 
+A mode is a --weights-dtype value, optionally with the quantised weights' kernel forced
+(--quant-kernel): `int4:torch`, `int4:fused`; without one the engine's start-up race picks it,
+and each mode's line says which ran.
+
 Batch 1, greedy, a short prompt, `--tokens` new tokens past EOS; decode tok/s is (tokens - 1)
 over the time from the first token to the last, best of `--repeats` rounds. Each round runs
 every contestant once in turn, so a busy machine slows all alike. llama.cpp runs through
@@ -29,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import machine_line  # noqa: E402
+from bench.machine import machine_line, plan_line  # noqa: E402
 from inference.engine.sampling_params import SamplingParams  # noqa: E402
 from inference.llm import LLM  # noqa: E402
 
@@ -54,9 +58,11 @@ def decode_rate(stamps: list[float]) -> float:
 
 class Ours:
     def __init__(self, model: str, mode: str, threads: int) -> None:
+        self.label = mode  # weights dtype[:quantised kernel]
         self.name = f"ours, weights {mode}"
-        self.llm = LLM(model, weights_dtype=mode, num_threads=threads, max_loras=0,
-                       kv_cache_memory="64MiB", enable_prefix_caching=False)  # fmt: skip
+        weights, _, kernel = mode.partition(":")
+        self.llm = LLM(model, weights_dtype=weights, quant_kernel=kernel or "auto", num_threads=threads,
+                       max_loras=0, kv_cache_memory="64MiB", enable_prefix_caching=False)  # fmt: skip
 
     def run(self, tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -147,23 +153,23 @@ def main() -> None:
         print(f"{'llama.cpp':<22} {'peer not installed (make bench-peers)':>12}")
     for c in contestants[: len(modes)]:
         pb = c.llm.engine.memory_stats()["base_weights"] / 2**20
-        print(f"  {c.name}: weights {pb:.0f} MiB")
+        print(f"  {c.name}: weights {pb:.0f} MiB; {plan_line(c.llm.engine)}")
 
     if args.no_quality:
         return
     prompts = QUALITY_PROMPTS[:4] if args.quick else QUALITY_PROMPTS
     params = SamplingParams(max_tokens=args.quality_tokens, temperature=0, ignore_eos=True)
     text = (ROOT / "bench/data/ppl.txt").read_text()
-    ours = {c.name.rsplit(" ", 1)[1]: c.llm for c in contestants[: len(modes)]}
+    ours = {c.label: c.llm for c in contestants[: len(modes)]}
     ref_mode = "auto" if "auto" in ours else modes[0]
     ref = [o.token_ids for o in ours[ref_mode].generate(prompts, params)]
     print(f"\nquality vs weights {ref_mode} ({len(prompts)} prompts x {args.quality_tokens} greedy tokens; "
           f"perplexity of bench/data/ppl.txt)")
-    print(f"{'weights':<8} {'first divergence':>16} {'same tokens':>12} {'identical':>10} {'perplexity':>11}")
+    print(f"{'weights':<10} {'first divergence':>16} {'same tokens':>12} {'identical':>10} {'perplexity':>11}")
     for mode, llm in ours.items():
         got = ref if mode == ref_mode else [o.token_ids for o in llm.generate(prompts, params)]
         first, same, identical = agreement(ref, got)
-        print(f"{mode:<8} {first:>16.1f} {same:>11.1f}% {identical:>6}/{len(prompts)} {perplexity(llm, text):>11.3f}")
+        print(f"{mode:<10} {first:>16.1f} {same:>11.1f}% {identical:>6}/{len(prompts)} {perplexity(llm, text):>11.3f}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ WEIGHTS_DTYPES = ("auto", "int8", "int4")
 MATMUL_PATH_CHOICES = ("auto", "native", "fp32-upcast", "fp32-cached")
 LORA_KERNEL_CHOICES = ("auto", "fused", "torch")
 ATTENTION_KERNEL_CHOICES = ("auto", "fused", "torch")
+QUANT_KERNEL_CHOICES = ("auto", "fused", "torch")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -87,6 +88,9 @@ class EngineConfig:
     # How decode rows attend on the CPU (inference/layers/attention_plan.py): "auto" times the
     # fused C++ paged kernel against torch's gather + SDPA at start-up; "fused" / "torch" forces one.
     attention_kernel: str = "auto"
+    # What multiplies int8/int4 weights on the CPU (inference/layers/quant_plan.py): "auto" times
+    # the fused C++ kernel (int8 activations) against torch's at start-up; "fused" / "torch" forces one.
+    quant_kernel: str = "auto"
     device: str = "cpu"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -122,6 +126,10 @@ class EngineConfig:
             raise ConfigError(
                 "attention_kernel",
                 f"expected one of {', '.join(ATTENTION_KERNEL_CHOICES)}, got {self.attention_kernel!r}",
+            )
+        if self.quant_kernel not in QUANT_KERNEL_CHOICES:
+            raise ConfigError(
+                "quant_kernel", f"expected one of {', '.join(QUANT_KERNEL_CHOICES)}, got {self.quant_kernel!r}"
             )
         if self.weights_dtype not in WEIGHTS_DTYPES:
             raise ConfigError(
@@ -167,7 +175,8 @@ class EngineConfig:
             if var not in env or env[var] == "":
                 continue
             raw = env[var]
-            if f.name in ("model", "dtype", "weights_dtype", "matmul_path", "lora_kernel", "attention_kernel", "device"):
+            if f.name in ("model", "dtype", "weights_dtype", "matmul_path", "lora_kernel", "attention_kernel", "quant_kernel",
+                          "device"):
                 values[f.name] = raw
             elif f.name == "kv_cache_memory":
                 values[f.name] = parse_memory(var, raw)

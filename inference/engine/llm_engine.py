@@ -67,6 +67,7 @@ from inference.layers.attention import allocate_kv_cache
 from inference.layers.attention_plan import with_attention_kernel
 from inference.layers.linear import apply_plan
 from inference.layers.matmul_plan import choose_plan
+from inference.layers.quant_plan import with_quant_kernel
 from inference.lora.cache import CacheStats
 from inference.lora.manager import AdapterInfo, AdapterManager
 from inference.lora.request import LoRARequest
@@ -168,6 +169,7 @@ class LLMEngine:
         cfg = self.model.config
         self.matmul_plan = with_attention_kernel(self.matmul_plan, config.attention_kernel, cfg.num_attention_heads,
                                                  cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)  # fmt: skip
+        self.matmul_plan = with_quant_kernel(self.matmul_plan, config.quant_kernel, self.model, self.dtype)
         apply_plan(self.model, self.matmul_plan)
         log.info("matmul plan: %s", json.dumps(self.matmul_plan.describe()))
         self.tokenizer: Tokenizer = load_tokenizer(path)

@@ -78,6 +78,8 @@ class Linear(nn.Module):
 
     def set_plan(self, plan: MatmulPlan) -> None:
         self.plan = plan
+        if self.packed is not None:
+            self.packed.use_kernel(plan.quant_kernel)
         wants_copy = plan.caches_fp32 and self.packed is None and self.weight.dtype != torch.float32
         self.weight32 = self.weight.detach().float() if wants_copy else None
 
@@ -97,4 +99,7 @@ def apply_plan(model: nn.Module, plan: MatmulPlan) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.set_plan(plan)
+    head = getattr(model, "lm_head_packed", None)
+    if head is not None:
+        head.use_kernel(plan.quant_kernel)
     model.plan = plan

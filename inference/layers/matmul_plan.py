@@ -86,6 +86,9 @@ class MatmulPlan:
     lora_kernel: str = TORCH_KERNEL  # "torch" or "fused" on the CPU, "triton" on CUDA
     # how decode rows attend on the CPU: "torch" or "fused" (inference/layers/attention_plan.py)
     attention_kernel: str = TORCH_KERNEL
+    # what multiplies quantised weights (--weights-dtype int8/int4): "torch" or "fused"
+    # (inference/layers/quant_plan.py)
+    quant_kernel: str = TORCH_KERNEL
 
     def __post_init__(self) -> None:
         # path by row count as a tuple, for the per-call lookup in Linear.forward
@@ -106,6 +109,7 @@ class MatmulPlan:
             "lora_dtype": str(self.lora_dtype).removeprefix("torch."),
             "lora_kernel": self.lora_kernel,
             "attention_kernel": self.attention_kernel,
+            "quant_kernel": self.quant_kernel,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "timings_us": {c: {p: round(s * 1e6, 1) for p, s in t.items()} for c, t in self.timings.items()},
         }

@@ -91,6 +91,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help=engine_flag_help("how decode rows attend on the CPU: auto times the fused C++ paged "
                                          "kernel (built with the LoRA one) against torch's gather + SDPA at "
                                          "start-up; fused / torch forces one", "attention_kernel"))
+    p.add_argument("--quant-kernel", choices=["auto", "fused", "torch"],
+                   help=engine_flag_help("what multiplies --weights-dtype int8/int4 weights on the CPU: auto "
+                                         "times the fused C++ kernel (int8 activations, built with the LoRA "
+                                         "one) against torch's at start-up; fused / torch forces one",
+                                         "quant_kernel"))
     p.add_argument("--device", help=engine_flag_help("cpu or cuda[:N]", "device"))
     p.add_argument("--max-num-seqs", type=int, help=engine_flag_help("sequences in one batch", "max_num_seqs"))
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -200,7 +205,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {
         "model": model_argument(args), "dtype": args.dtype, "weights_dtype": args.weights_dtype,
         "matmul_path": args.matmul_path, "lora_kernel": args.lora_kernel,
-        "attention_kernel": args.attention_kernel,
+        "attention_kernel": args.attention_kernel, "quant_kernel": args.quant_kernel,
         "device": args.device, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "kv_cache_memory": kv_cache_memory(args), "enable_prefix_caching": args.enable_prefix_caching,

@@ -109,14 +109,15 @@ class ServerMetrics:
               registry=self.registry).labels(*map(str, info.values())).set(1)
         # Which matmul path each shape class runs on this CPU (measured at start-up or forced);
         # the "lora" class's path is the LoRA stacks' dtype, "lora_kernel"'s the delta's kernel,
-        # "attention_kernel"'s how decode rows attend.
+        # "attention_kernel"'s how decode rows attend, "quant_kernel"'s what multiplies int8/int4 weights.
         plan = llm.matmul_plan.describe()
         matmul = Gauge("loraplex:matmul_plan_info", "The matmul path per shape class (1), measured at start-up "
                        "or forced with --matmul-path.", ["shape_class", "path", "source", "cpu_capability"],
                        registry=self.registry)
         for shape_class, path in [*plan["paths"].items(), ("lora", plan["lora_dtype"]),
                                   ("lora_kernel", plan["lora_kernel"]),
-                                  ("attention_kernel", plan["attention_kernel"])]:  # fmt: skip
+                                  ("attention_kernel", plan["attention_kernel"]),
+                                  ("quant_kernel", plan["quant_kernel"])]:  # fmt: skip
             matmul.labels(shape_class, path, plan["source"], plan["cpu_capability"]).set(1)
 
     def on_output(self, item: StepOutput, stream: RequestStream) -> None:

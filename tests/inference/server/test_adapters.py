@@ -169,5 +169,8 @@ def test_base_model_route_describes_what_an_adapter_must_match(lora_server):
     attention = body["matmul_plan"]["attention_kernel"]
     assert attention in ("fused", "torch")
     assert lora_server.metric("loraplex:matmul_plan_info", shape_class="attention_kernel", path=attention) == 1
+    # ... and what multiplies quantised weights (dense weights here: torch's, nothing to race)
+    assert body["matmul_plan"]["quant_kernel"] == "torch"
+    assert lora_server.metric("loraplex:matmul_plan_info", shape_class="quant_kernel", path="torch") == 1
     # What the portal reads back (protocol.worker_api): every field, none dropped as mistyped.
     assert BaseModelInfo.from_json(body).to_json() == body

@@ -174,6 +174,16 @@ def test_the_attention_kernel_flag_forces_the_kernel(smollm2_path):
         _serve_args(str(smollm2_path), "--attention-kernel", "sdpa")
 
 
+def test_the_quant_kernel_flag_forces_the_kernel(smollm2_path):
+    from inference.server.cli import engine_config
+
+    assert engine_config(_serve_args(str(smollm2_path))).quant_kernel == "auto"
+    for kernel in ("fused", "torch"):
+        assert engine_config(_serve_args(str(smollm2_path), "--quant-kernel", kernel)).quant_kernel == kernel
+    with pytest.raises(SystemExit):
+        _serve_args(str(smollm2_path), "--quant-kernel", "int4")
+
+
 def test_enable_lora_is_on_by_default_and_no_enable_lora_serves_the_base_alone(smollm2_path):
     from inference.server.cli import engine_config
 
