@@ -3,7 +3,10 @@
   - the multi-LoRA delta as one call per projection (kernels/csrc/lora_cpu.cpp, fused_op());
   - the paged decode attention as one call per step's decode rows (kernels/csrc/attention_cpu.cpp,
     attention_op(): the KV blocks read in place, an online softmax over each row's exact
-    context; the torch path gathers the blocks into a padded buffer for a masked SDPA).
+    context; the torch path gathers the blocks into a padded buffer for a masked SDPA);
+  - products with int4 / int8 weights on int8 activations (kernels/csrc/quant_cpu.cpp), and a
+    decoder layer's RMSNorm, residual add and RoPE in one call each (kernels/csrc/layer_cpu.cpp):
+    layer_ops().
 
 The torch path (kernels/lora_ops.add_lora_cpu) spends ~10 small ops per projection: gathers,
 one shrink and one expand product per slice, conversions, the adds back into out. Each op costs
@@ -45,13 +48,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "fused_op", "loaded_op", "unavailable_reason", "vector_width"]
+__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "fused_op", "layer_ops", "loaded_op", "unavailable_reason",
+           "vector_width"]
 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # the LoRA delta, and the paged decode attention (attention_op) built into the same library
-SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "quant_cpu.cpp"]
+SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp"]
 HEADERS = [_CSRC / "cpu_vec.h"]  # what both include: part of the build key too
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
 # the copy torch already loaded (one OpenMP runtime, torch's thread count).
@@ -100,6 +104,14 @@ def attention_op() -> Callable[..., None] | None:
        rows [n], block_tables [n, max_blocks], context_lens [n], scale): out[rows[i]] = the
     decode attention of q[rows[i]] over the first context_lens[i] positions of its blocks."""
     return torch.ops.loraplex_cpu.paged_decode_attention if "op" in _state else None
+
+
+def layer_ops():
+    """torch.ops.loraplex_cpu where fused_op() has loaded the library, else None; never builds
+    (the per-call check). Its rms_norm, add_rms_norm and rope (kernels/csrc/layer_cpu.cpp) do
+    a decoder layer's small ops in one call each; its q4_linear and q8_linear
+    (kernels/csrc/quant_cpu.cpp) multiply quantised weights."""
+    return torch.ops.loraplex_cpu if "op" in _state else None
 
 
 def unavailable_reason() -> str | None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from inference.layers.rope_scaling import RopeScaling
+from kernels import cpu_fused
 
 
 def rope_inv_freq(
@@ -99,6 +100,15 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
         return cos, sin
+
+
+def rope_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """The first `heads` heads of qkv [T, H, D] rotated, as a new [T, heads, D]: one call on the
+    CPU where the fused kernels are loaded (kernels/csrc/layer_cpu.cpp), else apply_rope."""
+    ops = cpu_fused.layer_ops()
+    if ops is not None and qkv.is_cpu:
+        return ops.rope(qkv, cos, sin, heads)
+    return apply_rope(qkv[:, :heads], cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from inference.layers.linear import DEFAULT_PLAN, Linear, linear
 from inference.layers.lora_linear import LoRALinear
 from inference.layers.norm import RMSNorm
 from inference.layers.quantized import PackedWeight
-from inference.layers.rotary import RotaryEmbedding, apply_rope
+from inference.layers.rotary import RotaryEmbedding, rope_heads
 from inference.models.config import LlamaConfig
 from kernels.metadata import LoRABatchMetadata
 
@@ -118,8 +118,8 @@ class LlamaDecoderLayer(nn.Module):
         lora_meta: LoRABatchMetadata | None,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_meta, lora_meta)
-        x = x + attn  # [T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x), lora_meta)  # [T, hidden]
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)  # x + attn, and its norm [T, hidden]
+        return x + self.mlp(h, lora_meta)  # [T, hidden]
 
 
 class LlamaAttention(nn.Module):
@@ -151,7 +151,7 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x, lora_meta).view(T, Hq + 2 * Hkv, self.head_dim)  # [T, Hq + 2·Hkv, D]
-        qk = apply_rope(qkv[:, : Hq + Hkv], cos, sin)  # q and k heads rotated in one go
+        qk = rope_heads(qkv, cos, sin, Hq + Hkv)  # q and k heads rotated in one go
         q, k = qk.split([Hq, Hkv], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, Hq + Hkv :]  # [T, Hkv, D]
         out = paged_attention(q, k, v, kv_cache, attn_meta, self.scale)  # [T, Hq, D]

@@ -1,0 +1,164 @@
+// A decoder layer's small ops on the CPU, one call each instead of torch's chains (built with
+// lora_cpu.cpp by kernels/cpu_fused.py; inference/layers/norm.py and rotary.py call them):
+//
+//   rms_norm(x, w, eps)            HF's LlamaRMSNorm: w * round(x * rsqrt(mean(x^2) + eps))
+//   add_rms_norm(x, d, w, eps)     (s, rms_norm(s, w, eps)) with s = round(x + d): the residual add
+//                                  and the next norm
+//   rope(qkv, cos, sin, heads)     the first `heads` heads of qkv [T, H, D] rotated (HF's
+//                                  rotate_half pairs i with i + D/2), as a new [T, heads, D]
+//
+// At one decode token a layer's RMSNorm is 8 torch ops and RoPE 6, each a few microseconds of
+// dispatch for 576 numbers (35-55 us a norm on a 2-core AMD EPYC, 61 norms a token): at batch 1
+// that, not arithmetic, is what they cost. The results are torch's to the rounding: every step
+// that torch rounds to the activations' dtype (bf16, fp16) is rounded here at the same point,
+// the arithmetic in fp32 between; only the order of the sum of squares differs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "cpu_vec.h"
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+using namespace loraplex_vec;
+
+template <typename T>
+inline float rounded(float v) {  // v as torch leaves it in a T tensor
+  return to_f(static_cast<T>(v));
+}
+
+// rows per parallel chunk: ~16k elements, so a decode token's rows run inline on the caller
+inline int64_t grain(int64_t d) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)); }
+
+template <typename T, typename W, typename O>
+void norm_row(const T* x, const W* w, O* out, int64_t d, float eps) {
+  vf acc = {};
+  int64_t i = 0;
+  for (; i + V <= d; i += V) {
+    const vf v = load_v(x + i);
+    acc += v * v;
+  }
+  float ss = 0.f;
+  for (int j = 0; j < V; ++j) ss += acc[j];
+  for (; i < d; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (i = 0; i < d; ++i) out[i] = static_cast<O>(to_f(w[i]) * rounded<T>(to_f(x[i]) * r));
+}
+
+template <typename F>
+void by_float_dtype(at::ScalarType t, const char* what, F f) {
+  switch (t) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, what, ": unsupported dtype ", t);
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), what, ": x must be a contiguous [T, dim] tensor");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), what, ": weight must be [", x.size(1),
+              "], got ", w.sizes());
+}
+
+// out[t] = norm(src[t]) for every row, in parallel
+template <typename T>
+void norm_rows(const at::Tensor& src, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t rows = src.size(0), d = src.size(1);
+  const T* sp = src.data_ptr<T>();
+  by_float_dtype(w.scalar_type(), "rms_norm", [&](auto wtag) {
+    using W = decltype(wtag);
+    by_float_dtype(out.scalar_type(), "rms_norm", [&](auto otag) {
+      using O = decltype(otag);
+      const W* wp = w.data_ptr<W>();
+      O* op = out.data_ptr<O>();
+      at::parallel_for(0, rows, grain(d), [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) norm_row(sp + t * d, wp, op + t * d, d, static_cast<float>(eps));
+      });
+    });
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+  const at::Tensor x = x_in.contiguous();
+  check_rows(x, w, "rms_norm");
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::result_type(w, x)));
+  by_float_dtype(x.scalar_type(), "rms_norm", [&](auto tag) { norm_rows<decltype(tag)>(x, w, out, eps); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& d_in, const at::Tensor& w,
+                                                double eps) {
+  const at::Tensor x = x_in.contiguous(), delta = d_in.contiguous();
+  check_rows(x, w, "add_rms_norm");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(),
+              "add_rms_norm: the added tensor must match x (", x.sizes(), " ", x.scalar_type(), "), got ",
+              delta.sizes(), " ", delta.scalar_type());
+  at::Tensor sum = at::empty_like(x);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::result_type(w, x)));
+  by_float_dtype(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t rows = x.size(0), d = x.size(1);
+    const T* xp = x.data_ptr<T>();
+    const T* dp = delta.data_ptr<T>();
+    T* sp = sum.data_ptr<T>();
+    at::parallel_for(0, rows * d, grain(1), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) sp[i] = static_cast<T>(to_f(xp[i]) + to_f(dp[i]));
+    });
+    norm_rows<T>(sum, w, out, eps);
+  });
+  return {sum, out};
+}
+
+at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1, "rope: qkv must be [T, H, D] with D contiguous");
+  const int64_t T_ = qkv.size(0), D = qkv.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "rope: head size must be even, got ", D);
+  TORCH_CHECK(heads >= 0 && heads <= qkv.size(1), "rope: heads must be in 0..", qkv.size(1), ", got ", heads);
+  const at::Tensor cos = cos_in.reshape({-1, D}).contiguous(), sin = sin_in.reshape({-1, D}).contiguous();
+  TORCH_CHECK(cos.size(0) == T_ && sin.size(0) == T_ && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "rope: cos and sin must be [T, 1, D] in qkv's dtype");
+  at::Tensor out = at::empty({T_, heads, D}, qkv.options());
+  by_float_dtype(qkv.scalar_type(), "rope", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t st = qkv.stride(0), sh = qkv.stride(1);
+    at::parallel_for(0, T_ * heads, grain(D), [&](int64_t b, int64_t e) {
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t t = item / heads, h = item % heads;
+        const T* x = xp + t * st + h * sh;
+        const T* c = cp + t * D;
+        const T* s = sp + t * D;
+        T* o = op + item * D;
+        // torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T; the two
+        // halves as separate loops (no branch in them: the compiler vectorises them)
+        for (int64_t i = 0; i < half; ++i)
+          o[i] = static_cast<T>(rounded<T>(to_f(x[i]) * to_f(c[i])) + rounded<T>(-to_f(x[i + half]) * to_f(s[i])));
+        for (int64_t i = half; i < D; ++i)
+          o[i] = static_cast<T>(rounded<T>(to_f(x[i]) * to_f(c[i])) + rounded<T>(to_f(x[i - half]) * to_f(s[i])));
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.def("rope(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
+  m.impl("rope", c10::DispatchKey::CPU, &rope);
+}
