@@ -1,9 +1,11 @@
-// What the CPU kernels (lora_cpu.cpp, attention_cpu.cpp) share: one register of floats as a GCC
-// vector type, lowered by -march=native to AVX-512 (16 floats) or AVX2 (8), and loading V values
-// of any of the model's dtypes into it as fp32.
+// What the CPU kernels (lora_cpu.cpp, attention_cpu.cpp, ...) share: one register of floats as a
+// GCC vector type, lowered by -march=native to AVX-512 (16 floats) or AVX2 (8), and loading V
+// values of any of the model's dtypes into it as fp32; and the dispatch on those dtypes.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -46,6 +48,17 @@ inline vf load_v<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is fp32's top
   vf v;
   __builtin_memcpy(&v, &bits, sizeof(vf));
   return v;
+}
+
+// f(T{}) with T the C++ type of `t` (fp32, bf16, fp16); anything else: an error naming `what`
+template <typename F>
+inline auto by_float_dtype(c10::ScalarType t, const char* what, F f) -> decltype(f(float{})) {
+  switch (t) {
+    case c10::ScalarType::Float: return f(float{});
+    case c10::ScalarType::BFloat16: return f(c10::BFloat16{});
+    case c10::ScalarType::Half: return f(c10::Half{});
+    default: TORCH_CHECK(false, what, ": unsupported dtype ", t);
+  }
 }
 
 }  // namespace loraplex_vec

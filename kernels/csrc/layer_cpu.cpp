@@ -51,16 +51,6 @@ void norm_row(const T* x, const W* w, O* out, int64_t d, float eps) {
   for (i = 0; i < d; ++i) out[i] = static_cast<O>(to_f(w[i]) * rounded<T>(to_f(x[i]) * r));
 }
 
-template <typename F>
-void by_float_dtype(at::ScalarType t, const char* what, F f) {
-  switch (t) {
-    case at::kFloat: return f(float{});
-    case at::kBFloat16: return f(c10::BFloat16{});
-    case at::kHalf: return f(c10::Half{});
-    default: TORCH_CHECK(false, what, ": unsupported dtype ", t);
-  }
-}
-
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), what, ": x must be a contiguous [T, dim] tensor");
   TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), what, ": weight must be [", x.size(1),

@@ -29,6 +29,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_vec.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LORAPLEX_QUANT_AVX2 1
@@ -47,9 +49,8 @@ namespace {
 constexpr int QK = 32;  // weights per group: GGUF's block
 constexpr int TB = 4;   // tokens per pass over a row
 
-inline float to_f(float v) { return v; }
-inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_f(c10::Half v) { return static_cast<float>(v); }
+using loraplex_vec::by_float_dtype;
+using loraplex_vec::to_f;
 
 // The activations of T tokens, quantised per group of 32: q [T, K] int8, d [T, K/32] (the
 // scale), s [T, K/32] (d * the group's sum of q: what a row's mins multiply).
@@ -146,9 +147,23 @@ inline __m256i unpack_q4(const uint8_t* p) {
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-// Row n for NT tokens: acc[j] = sum_g (s[g] * d[j,g]) * dot(q_g, xq[j]_g). Groups go in pairs
-// into two sets of accumulators, so one token's fp32 adds do not wait on each other (named
-// variables: an array indexed by the group's parity would live on the stack).
+// sums[j] = the sum over a row's G groups of what group(g, acc) adds into acc[j] for token j.
+// Groups go in pairs into two sets of accumulators, so one token's fp32 adds do not wait on each
+// other (named variables: an array indexed by the group's parity would live on the stack).
+template <int NT, typename Group>
+inline void sum_groups(int64_t G, Group group, float* sums) {
+  __m256 even[NT], odd[NT];
+  for (int j = 0; j < NT; ++j) even[j] = odd[j] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 1 < G; g += 2) {
+    group(g, even);
+    group(g + 1, odd);
+  }
+  if (g < G) group(g, even);
+  for (int j = 0; j < NT; ++j) sums[j] = hsum(_mm256_add_ps(even[j], odd[j]));
+}
+
+// Row n for NT tokens: out[j] = sum_g (s[g] * d[j,g]) * dot(q_g, xq[j]_g) + the mins' term
 template <int NT>
 void q4_row(const uint8_t* qs, const float* sc, const float* mn, int64_t G, int64_t K, const QuantX& x, int64_t t0,
             float* out) {
@@ -161,16 +176,8 @@ void q4_row(const uint8_t* qs, const float* sc, const float* mn, int64_t G, int6
       acc[j] = _mm256_fmadd_ps(dot_us8(w, xv), _mm256_set1_ps(sc[g] * xd[j * G + g]), acc[j]);
     }
   };
-  __m256 even[NT], odd[NT];
-  for (int j = 0; j < NT; ++j) even[j] = odd[j] = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 1 < G; g += 2) {
-    group(g, even);
-    group(g + 1, odd);
-  }
-  if (g < G) group(g, even);
-  for (int j = 0; j < NT; ++j)
-    out[j] = hsum(_mm256_add_ps(even[j], odd[j])) + dot_f32(mn, &x.s[(t0 + j) * G], G);
+  sum_groups<NT>(G, group, out);
+  for (int j = 0; j < NT; ++j) out[j] += dot_f32(mn, &x.s[(t0 + j) * G], G);
 }
 
 template <int NT>
@@ -186,15 +193,8 @@ void q8_row(const int8_t* qw, float scale, int64_t G, int64_t K, const QuantX& x
       acc[j] = _mm256_fmadd_ps(dot_us8(magnitude, _mm256_sign_epi8(xv, w)), _mm256_set1_ps(xd[j * G + g]), acc[j]);
     }
   };
-  __m256 even[NT], odd[NT];
-  for (int j = 0; j < NT; ++j) even[j] = odd[j] = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 1 < G; g += 2) {
-    group(g, even);
-    group(g + 1, odd);
-  }
-  if (g < G) group(g, even);
-  for (int j = 0; j < NT; ++j) out[j] = scale * hsum(_mm256_add_ps(even[j], odd[j]));
+  sum_groups<NT>(G, group, out);
+  for (int j = 0; j < NT; ++j) out[j] *= scale;
 }
 #else
 template <int NT>
@@ -265,17 +265,6 @@ void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2, "x must be a [T, in] tensor, got ", x.dim(), " dimensions");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight takes ", K);
   TORCH_CHECK(K % QK == 0, "in_features must be a multiple of ", QK);
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "unsupported dtype ", dt);
-}
-
-template <typename Fn>
-at::Tensor by_dtype(const at::Tensor& x, Fn fn) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return fn(float{});
-    case at::kBFloat16: return fn(c10::BFloat16{});
-    default: return fn(c10::Half{});
-  }
 }
 
 // a row's fp16 scales (or mins) widened to fp32
@@ -299,7 +288,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Ten
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   const c10::Half* mp = mins.data_ptr<c10::Half>();
-  return by_dtype(x, [&](auto tag) {
+  return by_float_dtype(x.scalar_type(), "quantised linear", [&](auto tag) {
     using T = decltype(tag);
     const QuantX xq = quantize<T>(x);
     return run_rows<T>(x, N, [&](int64_t n, int64_t t0, int64_t nt, float* out) {
@@ -321,7 +310,7 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
               "scales must be contiguous fp32 [out]");
   const int8_t* qp = qw.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  return by_dtype(x, [&](auto tag) {
+  return by_float_dtype(x.scalar_type(), "quantised linear", [&](auto tag) {
     using T = decltype(tag);
     const QuantX xq = quantize<T>(x);
     return run_rows<T>(x, N, [&](int64_t n, int64_t t0, int64_t nt, float* out) {
