@@ -23,20 +23,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from inference.layers.linear import Linear
 from inference.layers.matmul_plan import FUSED_KERNEL, TORCH_KERNEL, MatmulPlan, race
-from inference.layers.quantized import PackedWeight
+from inference.layers.quantized import PackedWeight, packed_weights
 from kernels import cpu_fused
 
 QUANT_KERNEL_CHOICES = ("auto", FUSED_KERNEL, TORCH_KERNEL)
 SWITCH_FACTOR = 0.9  # the fused kernel replaces torch's when it takes under this share of its time
-
-
-def packed_weights(model: nn.Module) -> list[PackedWeight]:
-    """Every quantised weight of `model`: its Linears' and the LM head's."""
-    packs = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
-    head = getattr(model, "lm_head_packed", None)
-    return packs + ([head] if head is not None else [])
 
 
 def with_quant_kernel(plan: MatmulPlan, requested: str, model: nn.Module, dtype: torch.dtype) -> MatmulPlan:

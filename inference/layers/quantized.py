@@ -224,3 +224,11 @@ class Int4Weight:
 
 
 PackedWeight = Int8Weight | Int4Weight
+
+
+def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:
+    """Every quantised weight of `model`: its Linears' (`packed`) and the LM head's
+    (`lm_head_packed`); not parameters, so `model.parameters()` misses them."""
+    packs = [getattr(m, "packed", None) for m in model.modules()]
+    packs.append(getattr(model, "lm_head_packed", None))
+    return [p for p in packs if p is not None]

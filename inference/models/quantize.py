@@ -25,6 +25,7 @@ from inference.layers.quantized import (
     Int8Weight,
     PackedWeight,
     int4_fits,
+    packed_weights,
 )
 from inference.models.llama import LlamaForCausalLM
 
@@ -57,9 +58,7 @@ def quantize_model(model: LlamaForCausalLM, checkpoint: object, weights_dtype: s
 
 def packed_nbytes(model: nn.Module) -> int:
     """Bytes held by quantised weights (not parameters, so `model.parameters()` misses them)."""
-    packs = [getattr(m, "packed", None) for m in model.modules()]
-    packs.append(getattr(model, "lm_head_packed", None))
-    return sum(p.nbytes for p in packs if p is not None)
+    return sum(p.nbytes for p in packed_weights(model))
 
 
 def _free_weight(module: Linear) -> None:

@@ -13,7 +13,8 @@ from inference.config import QUANT_KERNEL_CHOICES, ConfigError, EngineConfig
 from inference.layers import quant_plan
 from inference.layers.linear import apply_plan
 from inference.layers.matmul_plan import native_plan
-from inference.layers.quant_plan import packed_weights, with_quant_kernel
+from inference.layers.quant_plan import with_quant_kernel
+from inference.layers.quantized import packed_weights
 from inference.models.loader import load_model
 from kernels import cpu_fused
 from tests.inference.models.tiny_llama import write_gguf, write_tiny_checkpoint

@@ -16,8 +16,7 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.layers.attention import allocate_kv_cache
 from inference.layers.attention_metadata import build_attention_metadata
-from inference.layers.quant_plan import packed_weights
-from inference.layers.quantized import FUSED_KERNEL, QUANT_KERNELS, Int4Weight, Int8Weight
+from inference.layers.quantized import FUSED_KERNEL, QUANT_KERNELS, Int4Weight, Int8Weight, packed_weights
 from inference.models.loader import load_model
 from kernels import cpu_fused
 from tests.inference.lora.peft_adapters import write_peft_adapter

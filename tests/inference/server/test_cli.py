@@ -154,34 +154,17 @@ def test_the_matmul_path_flag_forces_the_plan(smollm2_path):
         _serve_args(str(smollm2_path), "--matmul-path", "bf16")
 
 
-def test_the_lora_kernel_flag_forces_the_kernel(smollm2_path):
+@pytest.mark.parametrize(("flag", "field", "unknown"), [("--lora-kernel", "lora_kernel", "triton"),
+                                                    ("--attention-kernel", "attention_kernel", "sdpa"),
+                                                    ("--quant-kernel", "quant_kernel", "int4")])  # fmt: skip
+def test_each_kernel_flag_forces_its_kernel(smollm2_path, flag, field, unknown):
     from inference.server.cli import engine_config
 
-    assert engine_config(_serve_args(str(smollm2_path))).lora_kernel == "auto"
+    assert getattr(engine_config(_serve_args(str(smollm2_path))), field) == "auto"
     for kernel in ("fused", "torch"):
-        assert engine_config(_serve_args(str(smollm2_path), "--lora-kernel", kernel)).lora_kernel == kernel
+        assert getattr(engine_config(_serve_args(str(smollm2_path), flag, kernel)), field) == kernel
     with pytest.raises(SystemExit):
-        _serve_args(str(smollm2_path), "--lora-kernel", "triton")
-
-
-def test_the_attention_kernel_flag_forces_the_kernel(smollm2_path):
-    from inference.server.cli import engine_config
-
-    assert engine_config(_serve_args(str(smollm2_path))).attention_kernel == "auto"
-    for kernel in ("fused", "torch"):
-        assert engine_config(_serve_args(str(smollm2_path), "--attention-kernel", kernel)).attention_kernel == kernel
-    with pytest.raises(SystemExit):
-        _serve_args(str(smollm2_path), "--attention-kernel", "sdpa")
-
-
-def test_the_quant_kernel_flag_forces_the_kernel(smollm2_path):
-    from inference.server.cli import engine_config
-
-    assert engine_config(_serve_args(str(smollm2_path))).quant_kernel == "auto"
-    for kernel in ("fused", "torch"):
-        assert engine_config(_serve_args(str(smollm2_path), "--quant-kernel", kernel)).quant_kernel == kernel
-    with pytest.raises(SystemExit):
-        _serve_args(str(smollm2_path), "--quant-kernel", "int4")
+        _serve_args(str(smollm2_path), flag, unknown)
 
 
 def test_enable_lora_is_on_by_default_and_no_enable_lora_serves_the_base_alone(smollm2_path):
