@@ -9,6 +9,7 @@ leaks between tests or sessions."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ import openai
 import pytest
 from django.utils import timezone
 
+from portal.fleet.selectors import rendezvous_score
 from tests.inference.server.server_process import ServerProcess, start_server
 
 BASE = "smollm2"
@@ -34,6 +36,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dead_worker_url(key: str, worker_url: str, *, above: bool) -> str:
+    """A URL nothing listens on that rendezvous routing ranks above (or below) `worker_url` for
+    `key`. Searched until one is found, over loopback addresses no test serves on (127.0.1.x):
+    a bounded search (100 tries) failed with StopIteration about once in 100 runs, whenever the
+    worker's URL happened to rank near the top (or the bottom)."""
+    worker = rendezvous_score(key, worker_url)
+    return next(url for url in (f"http://127.0.1.{1 + i % 250}:{free_port()}" for i in itertools.count())
+                if (rendezvous_score(key, url) > worker) == above)
 
 
 @pytest.fixture(scope="session")

@@ -3,17 +3,15 @@ dying mid-stream (an error event, one row with the error), a dead worker ahead o
 
 from __future__ import annotations
 
-import itertools
-
 import httpx
 import openai
 import pytest
 
-from portal.fleet.selectors import rendezvous_score, routing_key
+from portal.fleet.selectors import routing_key
 from tests.portal.gateway.conftest import (
     BASE,
     chat_prefix_key,
-    free_port,
+    dead_worker_url,
     sdk,
     start_worker,
     wait_for_row,
@@ -80,11 +78,7 @@ def test_worker_killed_mid_stream(acme, live, settings, throwaway_worker):
 
 def test_a_dead_worker_first_in_line_is_skipped(acme, worker, live, settings):
     key = routing_key(None, chat_prefix_key(acme.tenant, [{"role": "user", "content": "Hi"}]))
-    # A URL nothing listens on that the key ranks above the worker. Where the worker's URL
-    # ranks near the top, 100 tries were not always enough (a StopIteration once in ~100 runs):
-    # look until one is found, over loopback addresses no test serves on (127.0.1.x) too.
-    dead = next(url for url in (f"http://127.0.1.{1 + i % 250}:{free_port()}" for i in itertools.count())
-                if rendezvous_score(key, url) > rendezvous_score(key, worker.url))
+    dead = dead_worker_url(key, worker.url, above=True)
     settings.INFERENCE_URLS = [dead, worker.url]
     raw = sdk(live, acme.key).chat.completions.with_raw_response.create(
         model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)

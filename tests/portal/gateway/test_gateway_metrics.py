@@ -13,11 +13,11 @@ import uuid
 import httpx
 import redis
 
-from portal.fleet.selectors import rendezvous_score, routing_key
+from portal.fleet.selectors import routing_key
 from tests.portal.gateway.conftest import (
     BASE,
     chat_prefix_key,
-    free_port,
+    dead_worker_url,
     make_caller,
     wait_for_row,
     wait_until,
@@ -120,8 +120,7 @@ def test_a_quota_rejection_is_counted_with_the_limit_that_refused(live):
 def test_a_dead_worker_passed_over_is_an_upstream_retry(live, worker, settings):
     caller = unique_caller()
     key = routing_key(None, chat_prefix_key(caller.tenant, CHAT["messages"]))
-    dead = next(url for url in (f"http://127.0.0.1:{free_port()}" for _ in range(100))
-                if rendezvous_score(key, url) > rendezvous_score(key, worker.url))
+    dead = dead_worker_url(key, worker.url, above=True)
     settings.INFERENCE_URLS = [dead, worker.url]
     before = scrape(live.url)
 

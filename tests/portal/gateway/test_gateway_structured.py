@@ -14,11 +14,11 @@ import jsonschema
 import openai
 import pytest
 
-from portal.fleet.selectors import rendezvous_score, routing_key
+from portal.fleet.selectors import routing_key
 from tests.portal.gateway.conftest import (
     BASE,
     chat_prefix_key,
-    free_port,
+    dead_worker_url,
     sdk,
     usage_rows,
     wait_for_row,
@@ -120,8 +120,7 @@ def test_a_streamed_tool_call_is_reassembled_by_the_sdk(live, acme):
 def test_a_bad_schema_is_a_400_naming_response_format_asked_of_one_worker_only(live, acme, worker, settings):
     # A second worker after the real one (a dead port): a 400 must not move on to it.
     key = routing_key(None, chat_prefix_key(acme.tenant, ASK))
-    second = next(url for url in (f"http://127.0.0.1:{free_port()}" for _ in range(100))
-                  if rendezvous_score(key, url) < rendezvous_score(key, worker.url))
+    second = dead_worker_url(key, worker.url, above=False)
     settings.INFERENCE_URLS = [worker.url, second]
     before = scrape(live.url)
     bad = {"type": "json_schema", "json_schema": {"name": "broken", "schema": {"type": "no-such-type"}}}
