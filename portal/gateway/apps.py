@@ -23,7 +23,7 @@ class GatewayConfig(AppConfig):
                 signal.connect(invalidate_on_commit, sender=model,
                                dispatch_uid=f"gateway-cache-{signal is post_save}-{model.__name__}")
         # The fleet's rows, where this process learns of a change (a poll run here, the admin):
-        # elsewhere they are reused FLEET_TTL seconds at most.
+        # elsewhere they are served FLEET_STALE_TTL seconds at most (portal.gateway.cache.FleetValues).
         fleet_polled.connect(fleet_forget, dispatch_uid="gateway-cache-fleet-polled")
         for signal in (post_save, post_delete):
             signal.connect(fleet_forget, sender=InferenceWorker,
