@@ -126,6 +126,7 @@ def load_adapter(
 
     weights: dict[tuple[int, str], LoRAModuleWeights] = {}
     in_place = []  # (key, label) of B tensors scaled where they lie in `data`
+    scaled_in_place: dict[float, list[torch.Tensor]] = {}  # scale -> those B tensors (scaled below)
     for (layer, module), (key_a, key_b) in check.pairs.items():
         rank, alpha = targets[(layer, module)]
         scale = settings.scale(rank, alpha)
@@ -136,7 +137,7 @@ def load_adapter(
         # place in the buffer when the dtype is kept, so B costs no second copy.
         if b.dtype == dtype:
             if scale != 1.0:
-                b.mul_(scale)
+                scaled_in_place.setdefault(scale, []).append(b)
             in_place.append((key_b, b_label))
         else:
             v.check_finite(name, key_b, b)
@@ -147,6 +148,8 @@ def load_adapter(
             a = a.to(dtype)
             v.check_finite(name, f"{key_a} (as {dtype})", a)
         weights[(layer, module)] = LoRAModuleWeights(a=a, b=b, scale=scale)
+    for scale, tensors in scaled_in_place.items():  # one call per scale, not one per module (~1 ms)
+        torch._foreach_mul_(tensors, scale)
     # What is left in `data` (A and B as stored, those B scaled): all finite in one pass, or
     # the reason named as the rules name it, read again from the file as stored.
     if not v.all_finite(data, header):
