@@ -74,7 +74,8 @@ class WorkerTarget:
 
 def route_rows() -> tuple[list[InferenceWorker], frozenset[str]]:
     """What route_candidates reads from the database: the healthy enabled rows, and (only when
-    there are none) the urls of disabled workers. The gateway reuses them for a second or so."""
+    there are none) the urls of disabled workers. The gateway reuses them (up to a poll old:
+    portal.gateway.cache.FleetValues)."""
     workers = list(InferenceWorker.objects.filter(enabled=True, healthy=True))
     if workers:
         return workers, frozenset()

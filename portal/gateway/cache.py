@@ -155,8 +155,9 @@ class FleetValues:
         task = self._reading.get(name)
         if task is not None and not task.done() and task.get_loop() is loop:
             return  # one read per name at a time
-        # In a context of its own: not the request's, whose thread executor (asgiref's
-        # ThreadSensitiveContext, where `load` runs its query) is gone once the request ends.
+        # In a context of its own, not the request's: there `load` would run its query on the
+        # request's thread (asgiref's ThreadSensitiveContext), queued behind the request's own
+        # steps, and once the request had ended on a new thread made for that one call.
         task = loop.create_task(self._read(name, load), name=f"gateway-cache-fleet-{name}",
                                 context=contextvars.Context())
         self._reading[name] = task
