@@ -152,11 +152,21 @@ class HostArena:
         if start + count * dtype.itemsize > self._size:
             raise ValueError(f"arena of {self._size} bytes cannot hold {shape} {dtype} at {start}")
         self._offset = start + _padded(count * dtype.itemsize)
-        return torch.frombuffer(self._buffer, dtype=dtype, count=count, offset=start).view(shape)
+        return tensor_over(self._buffer, dtype, shape, start)
 
     def copy(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A contiguous copy of `src` in `dtype`, in the arena."""
         return self.empty(tuple(src.shape), dtype).copy_(src)
+
+
+def tensor_over(buffer: mmap.mmap | bytearray, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """A contiguous tensor of `shape` over `buffer`'s bytes from `offset` on (no copy), holding
+    the buffer through its storage alone. Not a `.view()` of a flat tensor: a view keeps its base
+    alive, so `set_` pointing it elsewhere (LoRASlots.share) would still hold the whole block,
+    and a shared adapter's block would never come back to the pool."""
+    count = math.prod(shape)
+    flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)  # storage = those bytes
+    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
 
 
 def _padded(nbytes: int) -> int:

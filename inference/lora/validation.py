@@ -159,7 +159,7 @@ def tensor_view(data: bytearray | mmap.mmap, info: TensorInfo) -> torch.Tensor:
     count = (info.end - info.start) // dtype.itemsize
     if count == 0:
         return torch.empty(info.shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype, count=count, offset=info.start).view(info.shape)
+    return host_memory.tensor_over(data, dtype, info.shape, info.start)
 
 
 def all_finite(data: bytearray | mmap.mmap, header: Mapping[str, TensorInfo]) -> bool:

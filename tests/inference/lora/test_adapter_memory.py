@@ -204,3 +204,35 @@ def test_slot_sharing_frees_the_host_copy_and_gives_back_the_same_values(
     for key, w in adapter.weights.items():
         a, b = slots.slot_weights(0, key, w.rank)
         assert torch.equal(a.to(adapter_dtype), original[key][0]) and torch.equal(b.to(adapter_dtype), original[key][1])
+
+
+@pytest.mark.parametrize("stack_dtype", [torch.float32, torch.bfloat16], ids=["views-of-the-slot", "placeholders"])
+def test_an_adapter_in_a_slot_gives_its_block_back_to_the_pool(
+    root_all: Path, stack_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held once means its block is free: the next load reads into the same memory (already
+    faulted in) rather than a new block, both for the file's read buffer and for the copy an
+    adapter gets when it leaves its slot and then comes back to one."""
+    pool = host_memory.BlockPool(min_bytes=0, spares=False)
+    monkeypatch.setattr(host_memory, "BLOCKS", pool)
+    config = tiny_config()
+    slots = LoRASlots(LlamaForCausalLM(config), max_loras=1, max_rank=8, dtype=stack_dtype, device=torch.device("cpu"))
+    block = host_memory.HUGE_PAGE  # what each of these tiny adapters takes
+
+    a = load_adapter(root_all / "a", "a", config, max_lora_rank=8)
+    slots.activate(0, a)
+    assert pool.idle_bytes() == 0  # a's read buffer is a
+    slots.share(0, a)
+    assert pool.idle_bytes() == block, "the slot holds a, and so does its read buffer still"
+    slots.unshare(0, a)  # a leaves the slot: its own copy, in the block it read into
+    assert pool.idle_bytes() == 0
+    slots.deactivate(0)
+    slots.activate(0, a)
+    slots.share(0, a)  # back in a slot: its copy's block is free again
+    assert pool.idle_bytes() == block, "the slot holds a, and so does its copy still"
+    b = load_adapter(root_all / "b", "b", config, max_lora_rank=8)
+    assert pool.idle_bytes() == 0, "b was read into a new block while a free one fits"
+    slots.unshare(0, a)
+    slots.deactivate(0)
+    slots.activate(0, b)
+    assert torch.equal(slots.slot_weights(0, (0, "q_proj"), 4)[0], b.get(0, "q_proj").a.to(stack_dtype))
