@@ -247,16 +247,25 @@ class AdapterCache:
                 raise RuntimeError(f"slot {slot} released more often than acquired")
             self.slot_refs[slot] -= 1
 
+    def next_victim(self) -> int | None:
+        """The slot the next adapter to need one would empty if it came now (the least recently
+        used one no running sequence holds and no pin keeps), or None: a slot is free, or none
+        can be emptied."""
+        with self._lock:
+            if None in self.slots:
+                return None
+            candidates = [
+                s for s, aid in enumerate(self.slots)
+                if self.slot_refs[s] == 0 and not self.entries[aid].pinned
+            ]
+            return min(candidates, key=lambda s: self._slot_used[s], default=None)  # least recently used
+
     def _free_slot(self) -> int | None:
         if None in self.slots:
             return self.slots.index(None)
-        candidates = [
-            s for s, aid in enumerate(self.slots)
-            if self.slot_refs[s] == 0 and not self.entries[aid].pinned
-        ]
-        if not candidates:
+        slot = self.next_victim()
+        if slot is None:
             return None
-        slot = min(candidates, key=lambda s: self._slot_used[s])  # least recently used
         self._on_deactivate(slot)
         self.slots[slot] = None
         self.stats.evictions["device"] += 1

@@ -361,12 +361,28 @@ class AdapterManager:
             self._on_step_thread.popleft()()
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Block up to `timeout` s for an adapter load in flight (when only loading requests wait)."""
+        """Block up to `timeout` s for an adapter load in flight (when only loading requests
+        wait), first giving the slot the loaded adapter will take its host copy back meanwhile."""
         futures = self.cache.pending_loads()
         with self._lock:
             futures += [r.future for r in self._pending.values()]
         if futures:
+            self._unshare_next_victim()
             wait_futures(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def _unshare_next_victim(self) -> None:
+        """Copy the rows of the adapter whose slot the next cold adapter will take back into host
+        memory now, while its load runs on the loader thread and this one would only wait
+        (CPU): its eviction then costs no copy on that adapter's first token. The adapter keeps
+        its slot meanwhile and runs from it as before; if it is used again after all, it is held
+        twice until it leaves the slot (then with nothing to copy)."""
+        if not self._share_slots:
+            return
+        with self.cache._lock:
+            slot = self.cache.next_victim()
+            adapter = self._shared.pop(slot, None) if slot is not None else None
+            if adapter is not None:
+                self.slots.unshare(slot, adapter)
 
     # -- reporting -----------------------------------------------------------------------------
     def describe(self) -> list[AdapterInfo]:

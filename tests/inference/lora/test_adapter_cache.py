@@ -88,6 +88,24 @@ def test_device_slots_evict_the_least_recently_used_idle_adapter():
     assert cache.tier("b") is Tier.HOST  # still in the host tier
 
 
+def test_next_victim_names_the_slot_the_next_cold_adapter_would_take_without_taking_it():
+    cache, _, slots = make_cache(max_loras=2, max_cpu_loras=5)
+    load(cache, "a", "b", "c", "d")
+    sa = cache.acquire("a")
+    assert cache.next_victim() is None  # a slot is still free
+    sb = cache.acquire("b")
+    assert cache.next_victim() is None  # both slots held by running requests
+    cache.release(sb)
+    cache.release(sa)
+    cache.release(cache.acquire("a"))  # a used more recently than b
+    assert cache.next_victim() == sb
+    assert slots.content == {sa: "a", sb: "b"} and cache.stats.evictions["device"] == 0  # only named
+    cache.pin("b")
+    assert cache.next_victim() == sa  # a pinned adapter keeps its slot
+    assert cache.acquire("c") == sa  # what it named is what was taken
+    assert cache.next_victim() is None  # c runs in it, b is pinned
+
+
 def test_a_slot_in_use_is_never_evicted():
     cache, _, _ = make_cache(max_loras=2, max_cpu_loras=4)
     load(cache, "a", "b", "c")

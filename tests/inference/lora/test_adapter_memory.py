@@ -10,6 +10,7 @@ full-size adapter's do."""
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,10 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.lora import adapter as adapter_module
 from inference.lora import host_memory
+from inference.lora import manager as manager_module
 from inference.lora.adapter import load_adapter
 from inference.lora.errors import AdapterError
+from inference.lora.request import LoRARequest
 from inference.lora.slots import LoRASlots
 from inference.models.config import LlamaConfig
 from inference.models.llama import LlamaForCausalLM
@@ -105,6 +108,43 @@ def held_once_then_copied_back(engine: LLMEngine, root: Path) -> None:
     # a's values survived leaving the slot that b overwrote; b's are b's.
     assert run(engine, "a").token_ids == first
     assert run(engine, "b").token_ids == b_tokens != first
+
+
+def test_the_slot_a_cold_adapter_will_take_is_copied_out_while_it_loads(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing else to run, the engine copies the resident adapter that will lose its slot
+    back to host memory while the cold one loads, not after; that adapter keeps serving from
+    its slot meanwhile, and both answer as they did afterwards."""
+    loading, release = threading.Event(), threading.Event()
+
+    def held_load(path, *args, **kwargs):
+        if Path(path).name == "b":
+            loading.set()
+            assert release.wait(10)
+        return load_adapter(path, *args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "load_adapter", held_load)
+    engine = one_slot_engine(root, max_cpu_loras=2)
+    try:
+        a_info = engine.add_adapter("a", root / "a")
+        first = run(engine, "a").token_ids
+        assert engine.memory_stats()["host_adapters"] == 0  # a: its slot is its only copy
+        b_request = engine.add_request(PROMPT, GREEDY, lora=LoRARequest("b", root / "b"))
+        assert loading.wait(10)
+        engine.step()  # nothing can run: waits briefly for b's load
+        assert tier(engine, "a") == "device"
+        assert engine.memory_stats()["host_adapters"] == a_info.nbytes  # a's copy made already
+        assert run(engine, "a").token_ids == first  # still served from its slot
+        release.set()
+        b_tokens = engine.run_until_done([b_request])[b_request].token_ids
+        assert (tier(engine, "a"), tier(engine, "b")) == ("host", "device")
+        assert engine.memory_stats()["host_adapters"] == a_info.nbytes  # copied once, b shared
+        assert run(engine, "a").token_ids == first
+        assert run(engine, "b").token_ids == b_tokens != first
+    finally:
+        release.set()
+        engine.shutdown()
 
 
 def test_a_request_for_an_adapter_evicted_from_host_memory_starts_its_reload_when_queued(
