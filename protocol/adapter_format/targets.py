@@ -28,6 +28,14 @@ Targets = dict[tuple[int, str], tuple[int, float]]  # (layer, module) -> (rank, 
 def resolve_targets(settings: LoRASettings, base: BaseShapes) -> tuple[Targets | None, list[str]]:
     """{(layer, module): (rank, alpha)} for every projection PEFT would wrap in `base`, or None
     and every reason the settings select something else (or nothing)."""
+    targets, reasons = _resolve_targets(settings, base)
+    return (None if targets is None else dict(targets)), list(reasons)
+
+
+# Adapters trained from one recipe share their settings: resolved once (~1.2 ms for a 30-layer
+# base, on a cold adapter's path), each caller handed a copy of its own.
+@functools.lru_cache(maxsize=64)
+def _resolve_targets(settings: LoRASettings, base: BaseShapes) -> tuple[Targets | None, tuple[str, ...]]:
     reasons: list[str] = []
     num_layers = base.num_hidden_layers
     # Exclusions judged once per name, not once per name and list entry (an adapter loads
@@ -61,7 +69,7 @@ def resolve_targets(settings: LoRASettings, base: BaseShapes) -> tuple[Targets |
         targets[(layer, module)] = settings.rank_and_alpha(name)
     if not targets and not reasons:
         reasons.append("target_modules selects no projection of the base model")
-    return (None, reasons) if reasons else (targets, [])
+    return (None, tuple(reasons)) if reasons else (targets, ())
 
 
 @functools.lru_cache(maxsize=8)  # one base model per process, as a rule

@@ -64,7 +64,15 @@ class TensorInfo:
     end: int
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo] | None, list[str]]:
+class Header(dict[str, TensorInfo]):
+    """{tensor name: TensorInfo}, with the header's JSON bytes as the file held them (`json`):
+    a reader of the whole file can tell that the header it finds is this one by comparing bytes,
+    without parsing it again."""
+
+    json: bytes = b""
+
+
+def read_header(path: Path) -> tuple[Header | None, list[str]]:
     """{tensor name: TensorInfo} without reading any data, or None and why."""
 
     def corrupt(why: object) -> tuple[None, list[str]]:
@@ -78,9 +86,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo] | None, list[str]]:
     try:  # the judged header, read for the data offsets safetensors does not expose
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            raw = f.read(n)
+            header = json.loads(raw)
         header.pop("__metadata__", None)
-        tensors = {
+        tensors = Header({
             key: TensorInfo(
                 str(info["dtype"]),
                 tuple(int(d) for d in info["shape"]),
@@ -88,7 +97,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo] | None, list[str]]:
                 8 + n + int(info["data_offsets"][1]),
             )
             for key, info in header.items()
-        }
+        })
+        tensors.json = raw
     except _REREAD_ERRORS as e:
         return corrupt(f"it changed while it was being read ({e!r})")
     if not tensors:

@@ -197,6 +197,27 @@ def test_a_weights_file_that_changes_after_the_checks_is_refused(
         load_adapter(path, "a", tiny_config(), max_lora_rank=8)
 
 
+def test_a_header_rewritten_in_place_after_the_checks_is_refused(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same length, other meaning (a tensor's dtype): the header is not the bytes judged, and
+    read again it says something else."""
+    path = tmp_path / "a"
+    shutil.copytree(root / "a", path)
+    checked = adapter_module.v.check_adapter
+
+    def check_then_patch(name: str, directory: Path, config: LlamaConfig, **kwargs):
+        check = checked(name, directory, config, **kwargs)
+        raw = (directory / WEIGHTS_FILE).read_bytes()
+        assert b'"dtype":"F32"' in raw
+        (directory / WEIGHTS_FILE).write_bytes(raw.replace(b'"dtype":"F32"', b'"dtype":"I32"', 1))
+        return check
+
+    monkeypatch.setattr(adapter_module.v, "check_adapter", check_then_patch)
+    with pytest.raises(AdapterError, match="changed while it was being loaded"):
+        load_adapter(path, "a", tiny_config(), max_lora_rank=8)
+
+
 @pytest.fixture(scope="module")
 def root_all(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every projection adapted, k at a rank of its own: projections at one rank (o, gate/up,

@@ -138,3 +138,17 @@ def test_the_module_names_are_hf_llamas() -> None:
     assert names[-1] == "lm_head"
     projections = [(layer, m) for _, layer, m in hf_module_names(2) if m is not None]
     assert len(projections) == 14 and projections[0] == (0, "q_proj") and projections[-1] == (1, "down_proj")
+
+
+def test_settings_resolved_again_give_an_answer_of_their_own() -> None:
+    """Equal settings are resolved once (adapters of one recipe share them), yet what one caller
+    does to its answer never reaches the next caller's."""
+    first = targets(target_modules=["q_proj"], rank_pattern={"model.layers.1.self_attn.q_proj": 2})
+    first[(0, "q_proj")] = (99, 1.0)
+    first.clear()
+    assert targets(target_modules=["q_proj"], rank_pattern={"model.layers.1.self_attn.q_proj": 2}) == {
+        (0, "q_proj"): (4, 8.0), (1, "q_proj"): (2, 8.0),
+    }
+    reasons = refused(target_modules=["embed_tokens"])
+    reasons.clear()
+    assert refused(target_modules=["embed_tokens"]) != []
