@@ -134,13 +134,15 @@ class AdapterCache:
     # -- host tier: load in the background ----------------------------------------
     def prefetch(self, adapter_id: str, *, count_miss: bool = False) -> Future:
         """Make sure the adapter is (or is being) loaded into the host tier; returns the load's
-        future. count_miss: a request is waiting for it (an early prefetch as it is queued), so a
-        load started here is that request's miss (`acquire` then finds it loading or loaded)."""
+        future (its result None: the entry keeps it, and a finished future must not keep the
+        adapter in memory once the host tier evicts it). count_miss: a request is waiting for it
+        (an early prefetch as it is queued), so a load started here is that request's miss
+        (`acquire` then finds it loading or loaded)."""
         with self._lock:
             entry = self.entries[adapter_id]
             if adapter_id in self.host:
                 done: Future = Future()
-                done.set_result(self.host[adapter_id])
+                done.set_result(None)
                 return done
             # Never loaded, or loaded once and since evicted from the host: (re)load. A failed
             # load stays failed (its error is on the entry) until the adapter is removed.
@@ -176,7 +178,7 @@ class AdapterCache:
             self.stats.load_seconds.append(seconds)
             return adapter
 
-    def _load_into_host(self, entry: AdapterEntry) -> CachedAdapter:
+    def _load_into_host(self, entry: AdapterEntry) -> None:
         start = self._clock()
         try:
             adapter = self._load(entry.source)  # disk read + validation, off the step loop
@@ -196,7 +198,6 @@ class AdapterCache:
             entry.load_seconds = seconds
             self.stats.loads += 1
             self.stats.load_seconds.append(seconds)
-            return adapter
 
     def _make_host_room(self) -> None:
         """Evict least recently used host entries that are neither pinned nor in a slot, until one

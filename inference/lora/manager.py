@@ -79,7 +79,9 @@ class AdapterRecord:
 
     name: str
     path: Path
-    future: Future = field(repr=False)
+    # the load in flight; None once it ended (its result is the adapter, which must be free to
+    # leave memory when the host tier evicts it: a finished future would hold it for good)
+    future: Future | None = field(repr=False)
     id: str | None = None
     rank: int | None = None
     error: str | None = None
@@ -182,18 +184,19 @@ class AdapterManager:
 
     def _start_load(self, name: str, path: str | Path, pin: bool) -> tuple[AdapterRecord, Future]:
         check_name(name)
-        record = AdapterRecord(name=name, path=Path(path), future=Future())
+        record = AdapterRecord(name=name, path=Path(path), future=None)
         done: Future = Future()
         with self._lock:
             self._pending[name] = record
-            record.future = self.cache.load_new((record.path, name))
+            record.future = load = self.cache.load_new((record.path, name))
         # (A fast failure may run the callback right here, before this returns.)
-        record.future.add_done_callback(lambda f: self._on_loaded(record, f, pin, done))
+        load.add_done_callback(lambda f: self._on_loaded(record, f, pin, done))
         return record, done
 
     def _on_loaded(self, record: AdapterRecord, future: Future, pin: bool, done: Future) -> None:
         exc = future.exception()
         with self._lock:
+            record.future = None
             if self._pending.get(record.name) is record:
                 del self._pending[record.name]
             if exc is not None:
@@ -365,7 +368,7 @@ class AdapterManager:
         wait), first giving the slot the loaded adapter will take its host copy back meanwhile."""
         futures = self.cache.pending_loads()
         with self._lock:
-            futures += [r.future for r in self._pending.values()]
+            futures += [r.future for r in self._pending.values() if r.future is not None]
         if futures:
             self._unshare_next_victim()
             wait_futures(futures, timeout=timeout, return_when="FIRST_COMPLETED")

@@ -9,8 +9,10 @@ full-size adapter's do."""
 
 from __future__ import annotations
 
+import gc
 import shutil
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,33 @@ def test_a_request_for_an_adapter_evicted_from_host_memory_starts_its_reload_whe
     assert tier(engine, "a") in ("loading", "host")  # before any engine step
     out = engine.run_until_done([request_id])[request_id]
     assert out.adapter_tier == "disk" and out.token_ids == expected
+
+
+@pytest.mark.parametrize("reloaded", [False, True], ids=["first-load", "reload"])
+@pytest.mark.parametrize("how", ["added", "requested by path"])
+def test_an_adapter_evicted_from_host_memory_leaves_memory(
+    engine: LLMEngine, root: Path, how: str, reloaded: bool
+) -> None:
+    """max_cpu_loras bounds what adapters hold: once evicted from host memory nothing keeps
+    an adapter's weights (a finished load's future would), whether it was added by name or
+    requested by path, loaded the first time or reloaded after an earlier eviction."""
+    lora = "a" if how == "added" else LoRARequest("a", root / "a")
+    if how == "added":
+        engine.add_adapter("a", root / "a")
+    run(engine, lora)
+    if reloaded:
+        evict_from_host_memory(engine, root)
+        engine.remove_adapter("c")
+        run(engine, "a")  # reloaded from disk by its name
+    [a_id] = [i.id for i in engine.list_adapters() if i.name == "a"]
+    held = weakref.ref(engine.adapters.cache.host[a_id])
+    engine.add_adapter("b", root / "b")
+    run(engine, "b")  # a leaves its slot: its own host copy
+    engine.add_adapter("c", root / "c")  # room for one in host memory: a goes
+    assert tier(engine, "a") == "disk"
+    gc.collect()
+    assert held() is None, f"evicted, yet held by {[type(r).__name__ for r in gc.get_referrers(held())]}"
+    assert run(engine, "a").token_ids  # and it still serves, read again
 
 
 @pytest.mark.parametrize("spoil", ["truncated", "other_weights"])
