@@ -48,7 +48,7 @@ def plan_line(engine) -> str:
 
     return (f"matmul plan ({plan['source']}): {paths}; LoRA in {plan['lora_dtype']}, kernel "
             f"{kernel('lora_kernel')}; decode attention {kernel('attention_kernel')}; quantised weights "
-            f"{kernel('quant_kernel')}")  # fmt: skip
+            f"{kernel('quant_kernel')}; dense weights {kernel('dense_layout')}")  # fmt: skip
 
 
 def gflops(fn, flops: float, min_seconds: float = 0.2) -> float:

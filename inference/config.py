@@ -25,6 +25,7 @@ MATMUL_PATH_CHOICES = ("auto", "native", "fp32-upcast", "fp32-cached")
 LORA_KERNEL_CHOICES = ("auto", "fused", "torch")
 ATTENTION_KERNEL_CHOICES = ("auto", "fused", "torch")
 QUANT_KERNEL_CHOICES = ("auto", "fused", "torch")
+DENSE_LAYOUT_CHOICES = ("auto", "onednn", "plain")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -91,6 +92,9 @@ class EngineConfig:
     # What multiplies int8/int4 weights on the CPU (inference/layers/quant_plan.py): "auto" times
     # the fused C++ kernel (int8 activations) against torch's at start-up; "fused" / "torch" forces one.
     quant_kernel: str = "auto"
+    # How dense bf16/fp16 weights lie on the CPU (inference/layers/dense_layout.py): "auto" times
+    # oneDNN's prepacked layout against the plain one at start-up; "onednn" / "plain" forces one.
+    dense_layout: str = "auto"
     device: str = "cpu"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -130,6 +134,10 @@ class EngineConfig:
         if self.quant_kernel not in QUANT_KERNEL_CHOICES:
             raise ConfigError(
                 "quant_kernel", f"expected one of {', '.join(QUANT_KERNEL_CHOICES)}, got {self.quant_kernel!r}"
+            )
+        if self.dense_layout not in DENSE_LAYOUT_CHOICES:
+            raise ConfigError(
+                "dense_layout", f"expected one of {', '.join(DENSE_LAYOUT_CHOICES)}, got {self.dense_layout!r}"
             )
         if self.weights_dtype not in WEIGHTS_DTYPES:
             raise ConfigError(
@@ -176,7 +184,7 @@ class EngineConfig:
                 continue
             raw = env[var]
             if f.name in ("model", "dtype", "weights_dtype", "matmul_path", "lora_kernel", "attention_kernel", "quant_kernel",
-                          "device"):
+                          "dense_layout", "device"):
                 values[f.name] = raw
             elif f.name == "kv_cache_memory":
                 values[f.name] = parse_memory(var, raw)

@@ -65,6 +65,7 @@ from inference.engine.stop_checker import StopChecker
 from inference.engine.structured_output import GrammarCache, matcher_error
 from inference.layers.attention import allocate_kv_cache
 from inference.layers.attention_plan import with_attention_kernel
+from inference.layers.dense_layout import ONEDNN, pack_dense_weights, with_dense_layout
 from inference.layers.linear import apply_plan
 from inference.layers.matmul_plan import choose_plan
 from inference.layers.quant_plan import with_quant_kernel
@@ -170,7 +171,10 @@ class LLMEngine:
         self.matmul_plan = with_attention_kernel(self.matmul_plan, config.attention_kernel, cfg.num_attention_heads,
                                                  cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)  # fmt: skip
         self.matmul_plan = with_quant_kernel(self.matmul_plan, config.quant_kernel, self.model, self.dtype)
+        self.matmul_plan = with_dense_layout(self.matmul_plan, config.dense_layout, self.model, self.dtype, self.device)
         apply_plan(self.model, self.matmul_plan)
+        if self.matmul_plan.dense_layout == ONEDNN:
+            pack_dense_weights(self.model)
         log.info("matmul plan: %s", json.dumps(self.matmul_plan.describe()))
         self.tokenizer: Tokenizer = load_tokenizer(path)
         self.model_name = served_model_name(path)

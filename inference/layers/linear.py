@@ -83,6 +83,14 @@ class Linear(nn.Module):
         wants_copy = plan.caches_fp32 and self.packed is None and self.weight.dtype != torch.float32
         self.weight32 = self.weight.detach().float() if wants_copy else None
 
+    def drop_dense_weight(self) -> None:
+        """Free the dense weight once `packed` holds it in another form: [0, in], so nothing is
+        held and a forward that ignored `packed` would fail on the shape at once."""
+        self.weight = nn.Parameter(
+            torch.empty(0, self.in_features, dtype=self.weight.dtype, device=self.weight.device),
+            requires_grad=False,
+        )
+
     @property
     def weight32_nbytes(self) -> int:
         return 0 if self.weight32 is None else self.weight32.nbytes

@@ -89,6 +89,9 @@ class MatmulPlan:
     # what multiplies quantised weights (--weights-dtype int8/int4): "torch" or "fused"
     # (inference/layers/quant_plan.py)
     quant_kernel: str = TORCH_KERNEL
+    # how dense bf16/fp16 weights lie on the CPU: "plain" or "onednn" (prepacked;
+    # inference/layers/dense_layout.py)
+    dense_layout: str = "plain"
 
     def __post_init__(self) -> None:
         # path by row count as a tuple, for the per-call lookup in Linear.forward
@@ -110,6 +113,7 @@ class MatmulPlan:
             "lora_kernel": self.lora_kernel,
             "attention_kernel": self.attention_kernel,
             "quant_kernel": self.quant_kernel,
+            "dense_layout": self.dense_layout,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "timings_us": {c: {p: round(s * 1e6, 1) for p, s in t.items()} for c, t in self.timings.items()},
         }

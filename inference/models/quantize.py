@@ -47,23 +47,15 @@ def quantize_model(model: LlamaForCausalLM, checkpoint: object, weights_dtype: s
             groups = read_groups(f"{name}.weight") if read_groups else None
             packed = Int4Weight(*groups) if groups else Int4Weight.quantize(module.weight)
         module.packed = Int8Weight.quantize(module.weight) if packed is None else packed
-        _free_weight(module)
+        module.drop_dense_weight()
     head = model.lm_head
     model.lm_head_packed = Int8Weight.quantize(
         model.embed_tokens.weight if head is None else head.weight
     )
     if head is not None:
-        _free_weight(head)
+        head.drop_dense_weight()
 
 
 def packed_nbytes(model: nn.Module) -> int:
     """Bytes held by quantised weights (not parameters, so `model.parameters()` misses them)."""
     return sum(p.nbytes for p in packed_weights(model))
-
-
-def _free_weight(module: Linear) -> None:
-    # [0, in]: nothing held; a forward that ignored `packed` would fail on the shape at once
-    module.weight = nn.Parameter(
-        torch.empty(0, module.in_features, dtype=module.weight.dtype, device=module.weight.device),
-        requires_grad=False,
-    )

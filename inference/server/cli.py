@@ -96,6 +96,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                                          "times the fused C++ kernel (int8 activations, built with the LoRA "
                                          "one) against torch's at start-up; fused / torch forces one",
                                          "quant_kernel"))
+    p.add_argument("--dense-layout", choices=["auto", "onednn", "plain"],
+                   help=engine_flag_help("how dense bf16/fp16 weights lie on the CPU: auto times oneDNN's "
+                                         "prepacked layout (no per-call reorder) against the plain one at "
+                                         "start-up; onednn / plain forces one", "dense_layout"))
     p.add_argument("--device", help=engine_flag_help("cpu or cuda[:N]", "device"))
     p.add_argument("--max-num-seqs", type=int, help=engine_flag_help("sequences in one batch", "max_num_seqs"))
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -206,7 +210,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "model": model_argument(args), "dtype": args.dtype, "weights_dtype": args.weights_dtype,
         "matmul_path": args.matmul_path, "lora_kernel": args.lora_kernel,
         "attention_kernel": args.attention_kernel, "quant_kernel": args.quant_kernel,
-        "device": args.device, "max_num_seqs": args.max_num_seqs,
+        "dense_layout": args.dense_layout, "device": args.device, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "kv_cache_memory": kv_cache_memory(args), "enable_prefix_caching": args.enable_prefix_caching,
     }

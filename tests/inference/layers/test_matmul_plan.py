@@ -117,7 +117,8 @@ def test_the_race_takes_the_fastest_and_stops_timing_a_hopeless_candidate():
 
 def test_the_engine_runs_on_its_plan_and_counts_the_fp32_copies(tiny_dir):
     def engine(path: str) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(tiny_dir), dtype="bfloat16", matmul_path=path,
+        # the plain layout on both: prepacked dense weights add a packed copy of the tied head
+        return LLMEngine(EngineConfig(model=str(tiny_dir), dtype="bfloat16", matmul_path=path, dense_layout="plain",
                                       kv_cache_memory=4 << 20), progress=False)  # fmt: skip
 
     native, cached = engine(NATIVE), engine(FP32_CACHED)
