@@ -45,7 +45,6 @@ class OneDnnWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
         self.nbytes = weight.numel() * weight.element_size()
         # the batch-size hint only tunes the blocking: any row count multiplies correctly
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), RACE_ROWS)

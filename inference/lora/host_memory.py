@@ -146,8 +146,6 @@ class HostArena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of `shape` over the arena's next bytes (contents undefined)."""
         count = math.prod(shape)
-        if count == 0:
-            return torch.empty(shape, dtype=dtype)
         start = self._offset
         if start + count * dtype.itemsize > self._size:
             raise ValueError(f"arena of {self._size} bytes cannot hold {shape} {dtype} at {start}")
@@ -163,8 +161,11 @@ def tensor_over(buffer: mmap.mmap | bytearray, dtype: torch.dtype, shape: tuple[
     """A contiguous tensor of `shape` over `buffer`'s bytes from `offset` on (no copy), holding
     the buffer through its storage alone. Not a `.view()` of a flat tensor: a view keeps its base
     alive, so `set_` pointing it elsewhere (LoRASlots.share) would still hold the whole block,
-    and a shared adapter's block would never come back to the pool."""
+    and a shared adapter's block would never come back to the pool. An empty shape holds
+    nothing (torch.frombuffer refuses a count of 0)."""
     count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)  # storage = those bytes
     return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
 

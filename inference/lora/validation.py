@@ -157,11 +157,7 @@ def read_weights(adapter: str, path: Path, header: Mapping[str, TensorInfo]) -> 
 
 def tensor_view(data: bytearray | mmap.mmap, info: TensorInfo) -> torch.Tensor:
     """The tensor `info` describes, as a view of `data` (no copy); its dtype as stored."""
-    dtype = TORCH_DTYPES[info.dtype]
-    count = (info.end - info.start) // dtype.itemsize
-    if count == 0:
-        return torch.empty(info.shape, dtype=dtype)
-    return host_memory.tensor_over(data, dtype, info.shape, info.start)
+    return host_memory.tensor_over(data, TORCH_DTYPES[info.dtype], info.shape, info.start)
 
 
 def all_finite(data: bytearray | mmap.mmap, header: Mapping[str, TensorInfo]) -> bool:

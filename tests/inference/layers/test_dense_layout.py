@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from inference.config import DENSE_LAYOUT_CHOICES as CONFIG_CHOICES
 from inference.config import ConfigError, EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.layers.dense_layout import (
+    DENSE_LAYOUT_CHOICES,
     ONEDNN,
     PLAIN,
     OneDnnWeight,
@@ -123,3 +125,4 @@ def test_where_packing_cannot_apply_auto_keeps_the_plain_layout_and_onednn_says_
         with_dense_layout(plan, "blocked", fp32, torch.float32, CPU)
     with pytest.raises(ConfigError, match="dense_layout"):
         EngineConfig(model="m", dense_layout="blocked")
+    assert CONFIG_CHOICES == DENSE_LAYOUT_CHOICES  # the config names the same layouts, torch-free
