@@ -65,7 +65,7 @@ from inference.engine.stop_checker import StopChecker
 from inference.engine.structured_output import GrammarCache, matcher_error
 from inference.layers.attention import allocate_kv_cache
 from inference.layers.attention_plan import with_attention_kernel
-from inference.layers.dense_layout import ONEDNN, pack_dense_weights, with_dense_layout
+from inference.layers.dense_layout import ONEDNN, PLAIN, pack_dense_weights, with_dense_layout
 from inference.layers.linear import apply_plan
 from inference.layers.matmul_plan import choose_plan
 from inference.layers.quant_plan import with_quant_kernel
@@ -166,7 +166,8 @@ class LLMEngine:
         # kernel where adapters are enabled (matmul_plan.py)
         self.matmul_plan = choose_plan(self.model, self.dtype, self.device, config.matmul_path,
                                        max_rows=config.max_num_batched_tokens,
-                                       lora_kernel=config.lora_kernel if config.max_loras else "torch")  # fmt: skip
+                                       lora_kernel=config.lora_kernel if config.max_loras else "torch",
+                                       may_pack=config.dense_layout != PLAIN)  # fmt: skip
         cfg = self.model.config
         self.matmul_plan = with_attention_kernel(self.matmul_plan, config.attention_kernel, cfg.num_attention_heads,
                                                  cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)  # fmt: skip

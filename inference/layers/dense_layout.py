@@ -30,51 +30,25 @@ import torch
 from torch import nn
 
 from inference.layers.linear import Linear
-from inference.layers.matmul_plan import NATIVE, MatmulPlan, race
+from inference.layers.matmul_plan import NATIVE, MatmulPlan, native_needs_packing, race
+from inference.layers.onednn_weight import PACK_ROWS_HINT, OneDnnWeight, packing_unavailable
 from inference.layers.quantized import packed_weights
 
 PLAIN, ONEDNN = "plain", "onednn"
 DENSE_LAYOUT_CHOICES = ("auto", ONEDNN, PLAIN)
 SWITCH_FACTOR = 0.9  # packing replaces the plain layout when it takes under this share of its time
-RACE_ROWS = 32  # a decode batch: where the per-call reorder costs most of the product
-
-
-class OneDnnWeight:
-    """A dense weight [out, in] packed once into oneDNN's blocked layout; `linear` is
-    F.linear's product without the per-call reorder."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.nbytes = weight.numel() * weight.element_size()
-        # the batch-size hint only tunes the blocking: any row count multiplies correctly
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), RACE_ROWS)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out], x's dtype
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none", [], "")
-
-    def use_kernel(self, kernel: str) -> None:  # the quantised weights' kernel choice: not ours
-        pass
-
-    def can_use(self, kernel: str) -> bool:
-        return False
+RACE_ROWS = PACK_ROWS_HINT  # a decode batch: where the per-call reorder costs most of the product
 
 
 def unavailable_reason(plan: MatmulPlan, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the weights cannot be packed here; None where they can."""
     if device.type != "cpu":
         return f"the weights are on {device.type}, oneDNN packs CPU weights"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"the model is {str(dtype).removeprefix('torch.')}: only bf16/fp16 products reorder per call"
     if packed_weights(model):
         return "the weights are quantised (--weights-dtype)"
     if any(path != NATIVE for path in plan.paths.values()):
         return "a shape class runs in fp32, which reads the dense weight"
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return "this torch has no oneDNN weight packing"
-    supported = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
-    if not supported():
-        return f"oneDNN has no {str(dtype).removeprefix('torch.')} kernels on this CPU"
-    return None
+    return packing_unavailable(dtype)
 
 
 def with_dense_layout(
@@ -95,7 +69,8 @@ def with_dense_layout(
     if requested == ONEDNN:
         return replace(plan, dense_layout=ONEDNN)
     seconds = race(_decode_batch(model, dtype))
-    best = ONEDNN if seconds[ONEDNN] < SWITCH_FACTOR * seconds[PLAIN] else PLAIN
+    # A class the plan runs natively only on packed weights settles it whatever this race says.
+    best = ONEDNN if seconds[ONEDNN] < SWITCH_FACTOR * seconds[PLAIN] or native_needs_packing(plan) else PLAIN
     return replace(plan, dense_layout=best, timings={**plan.timings, "dense_layout": seconds})
 
 

@@ -12,7 +12,9 @@ milliseconds) and every Linear follows the plan:
     fp32-cached  x upcast, against an fp32 copy of the weight kept beside it (twice the weight
                  memory; only chosen when it wins and the copy fits, see FP32_CACHE_MAX_SHARE)
 
-per shape class of the product's row count T:
+per shape class of the product's row count T (native timed on the plain weights and, where the
+dense weights may then be prepacked for oneDNN (dense_layout.py), on packed ones too: it counts
+at the faster layout, and a class that wins only packed makes the engine pack):
 
     decode   T <= 4         a few streams decoding: bound by reading the weight once
     batch    5 <= T < 64    batched decode
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from inference.layers.onednn_weight import OneDnnWeight, packing_unavailable
 from kernels import cpu_fused
 from kernels.cpu_stacks import CpuStacks, cpu_stacks
 from kernels.lora_ops import add_lora_cpu
@@ -45,6 +48,9 @@ from kernels.metadata import build_lora_metadata
 
 NATIVE, FP32_UPCAST, FP32_CACHED = "native", "fp32-upcast", "fp32-cached"
 PATHS = (NATIVE, FP32_UPCAST, FP32_CACHED)
+# native on weights prepacked for oneDNN (inference/layers/dense_layout.py): timed beside plain
+# native where packing may follow, since that is the layout native products would then run on
+NATIVE_PACKED = "native-onednn"
 MATMUL_PATH_CHOICES = ("auto", *PATHS)
 TORCH_KERNEL, FUSED_KERNEL = "torch", "fused"  # the CPU's LoRA kernels (CUDA runs Triton's)
 LORA_KERNEL_CHOICES = ("auto", FUSED_KERNEL, TORCH_KERNEL)
@@ -151,9 +157,12 @@ def choose_plan(
     requested: str = "auto",
     max_rows: int = CLASS_ROWS["prefill"],
     lora_kernel: str = TORCH_KERNEL,
+    may_pack: bool = False,
 ) -> MatmulPlan:
     """The plan for this model on this machine: forced, fixed, or measured (see module doc);
-    `lora_kernel` (LORA_KERNEL_CHOICES) picks the CPU's LoRA kernel (with_lora_kernel)."""
+    `lora_kernel` (LORA_KERNEL_CHOICES) picks the CPU's LoRA kernel (with_lora_kernel).
+    `may_pack`: the dense weights may be prepacked for oneDNN afterwards (the dense layout is
+    not forced plain), so native is timed on packed weights too where this CPU packs them."""
     if device.type != "cpu":
         return replace(native_plan(dtype), lora_kernel="triton")
     weights, projections = _sample_weights(model), _lora_projections(model)
@@ -165,7 +174,8 @@ def choose_plan(
         plan = forced_plan(requested, dtype)
     else:
         plan = calibrate(weights, dtype, max_rows=max_rows, allow_cache=_fp32_copy_fits(model),
-                         lora_projections=projections, lora_copies=copies)  # fmt: skip
+                         lora_projections=projections, lora_copies=copies,
+                         packed_native=may_pack and packing_unavailable(dtype) is None)  # fmt: skip
     return with_lora_kernel(plan, lora_kernel, projections, dtype, copies=copies)
 
 
@@ -209,14 +219,16 @@ def with_lora_kernel(
 def calibrate(
     weights: list[torch.Tensor], dtype: torch.dtype, *, max_rows: int = CLASS_ROWS["prefill"],
     allow_cache: bool = True, lora_projections: list[tuple[int, list[int]]] | None = None,
-    lora_rank: int = 16, lora_copies: int = 1,
+    lora_rank: int = 16, lora_copies: int = 1, packed_native: bool = False,
 ) -> MatmulPlan:
     """Time each path on `weights` (the model's projection weights [out, in], in `dtype`) for each
     shape class; the fastest wins. The LoRA delta is timed on `lora_projections` (in_features,
     output slices; default: each weight as one slice). Timings are best-of-N so a busy machine
-    slows all alike."""
+    slows all alike. `packed_native`: native is also timed on the weights prepacked for oneDNN
+    (NATIVE_PACKED), and counts at the faster of its two layouts."""
     lora_projections = lora_projections or [(w.shape[1], [w.shape[0]]) for w in weights]
     cached = [w.float() for w in weights] if allow_cache else []
+    packed = [OneDnnWeight(w) for w in weights] if packed_native else []
     paths, timings = {}, {}
     for cls, rows in CLASS_ROWS.items():
         rows = min(rows, max_rows)
@@ -227,6 +239,8 @@ def calibrate(
         }
         if allow_cache:
             candidates[FP32_CACHED] = lambda xs=xs: [F.linear(x.float(), w) for x, w in zip(xs, cached, strict=True)]
+        if packed:
+            candidates[NATIVE_PACKED] = lambda xs=xs: [w.linear(x) for x, w in zip(xs, packed, strict=True)]
         timings[cls] = race(candidates)
         paths[cls] = _winner(timings[cls])
     # The LoRA stacks take the model dtype only where every product is native and that measures
@@ -240,13 +254,25 @@ def calibrate(
 
 
 def _winner(seconds: dict[str, float]) -> str:
-    """native unless a path in PATHS order measures under its SWITCH_FACTOR x the pick so far, so
-    a near tie (or noise) keeps the simpler, smaller path."""
-    pick = NATIVE
+    """native (at the faster of its layouts, where packed was timed) unless a path in PATHS order
+    measures under its SWITCH_FACTOR x the pick so far, so a near tie (or noise) keeps the
+    simpler, smaller path."""
+    pick, best = NATIVE, min(seconds[NATIVE], seconds.get(NATIVE_PACKED, float("inf")))
     for path in PATHS[1:]:
-        if path in seconds and seconds[path] < SWITCH_FACTOR[path] * seconds[pick]:
-            pick = path
+        if path in seconds and seconds[path] < SWITCH_FACTOR[path] * best:
+            pick, best = path, seconds[path]
     return pick
+
+
+def native_needs_packing(plan: MatmulPlan) -> bool:
+    """Whether a shape class runs natively only because native was timed on packed weights: with
+    the plain layout that class would have taken an fp32 path, so the weights must be packed."""
+    for cls, path in plan.paths.items():
+        seconds = plan.timings.get(cls, {})
+        if path == NATIVE and NATIVE_PACKED in seconds:
+            if _winner({p: s for p, s in seconds.items() if p != NATIVE_PACKED}) != NATIVE:
+                return True
+    return False
 
 
 def linear_fp32(

@@ -18,13 +18,13 @@ from inference.layers.dense_layout import (
     DENSE_LAYOUT_CHOICES,
     ONEDNN,
     PLAIN,
-    OneDnnWeight,
     pack_dense_weights,
     unavailable_reason,
     with_dense_layout,
 )
 from inference.layers.linear import Linear
-from inference.layers.matmul_plan import native_plan
+from inference.layers.matmul_plan import FP32_CACHED, NATIVE, NATIVE_PACKED, native_plan
+from inference.layers.onednn_weight import OneDnnWeight
 from inference.lora.request import LoRARequest
 from inference.models.llama import LlamaForCausalLM
 from tests.inference.lora.peft_adapters import BASE_DIR, tiny_config, write_base_and_adapters
@@ -109,6 +109,15 @@ def test_the_engine_answers_the_same_on_packed_weights_with_and_without_adapters
     assert auto_plan["dense_layout"] in (PLAIN, ONEDNN)
     assert set(auto_plan["timings_us"]["dense_layout"]) == {PLAIN, ONEDNN}  # it raced both
     assert auto == plain
+
+
+@needs_onednn
+def test_a_plan_that_runs_natively_only_on_packed_weights_gets_them_whatever_the_race_says() -> None:
+    plan = native_plan(torch.bfloat16, "measured")
+    timings = {"decode": {NATIVE: 164e-6, FP32_CACHED: 118e-6, NATIVE_PACKED: 90e-6}}
+    plan = type(plan)(plan.paths, torch.bfloat16, "measured", timings)
+    assert with_dense_layout(plan, "auto", bf16_model(), torch.bfloat16, CPU).dense_layout == ONEDNN
+    assert with_dense_layout(plan, PLAIN, bf16_model(), torch.bfloat16, CPU).dense_layout == PLAIN  # forced
 
 
 def test_where_packing_cannot_apply_auto_keeps_the_plain_layout_and_onednn_says_why() -> None:

@@ -14,12 +14,16 @@ from inference.layers import matmul_plan
 from inference.layers.matmul_plan import (
     FP32_CACHED,
     NATIVE,
+    NATIVE_PACKED,
     PATHS,
     SHAPE_CLASSES,
+    MatmulPlan,
     choose_plan,
     forced_plan,
+    native_needs_packing,
     with_lora_kernel,
 )
+from inference.layers.onednn_weight import packing_unavailable
 from inference.models.loader import load_model
 from kernels import cpu_fused
 from tests.inference.models.tiny_llama import write_tiny_checkpoint, write_word_tokenizer
@@ -88,6 +92,33 @@ def test_no_fp32_copy_where_it_would_not_fit(tiny_dir, monkeypatch):
     plan = choose_plan(model, torch.bfloat16, torch.device("cpu"), "auto")
     assert all(FP32_CACHED not in plan.timings[c] for c in SHAPE_CLASSES)
     assert FP32_CACHED not in plan.paths.values()
+
+
+def test_native_counts_at_its_faster_layout_where_the_weights_may_be_packed():
+    """Under make run a one-row class timed native 164 us on plain weights against fp32-cached
+    118 us, so it took the fp32 copy (and with it no packing): packed native takes ~90 us."""
+    plain_only = {NATIVE: 164e-6, "fp32-upcast": 400e-6, FP32_CACHED: 118e-6}
+    assert matmul_plan._winner(plain_only) == FP32_CACHED
+    assert matmul_plan._winner({**plain_only, NATIVE_PACKED: 90e-6}) == NATIVE
+    assert matmul_plan._winner({**plain_only, NATIVE_PACKED: 200e-6}) == FP32_CACHED  # packing no help
+    # the plan then needs the packing it was timed on; a class native on plain weights does not
+    won_packed = MatmulPlan({"decode": NATIVE, "batch": NATIVE, "prefill": NATIVE}, torch.bfloat16, "measured",
+                            {"decode": {**plain_only, NATIVE_PACKED: 90e-6}})  # fmt: skip
+    assert native_needs_packing(won_packed)
+    won_plain = MatmulPlan(won_packed.paths, torch.bfloat16, "measured",
+                           {"decode": {NATIVE: 100e-6, FP32_CACHED: 118e-6, NATIVE_PACKED: 90e-6}})  # fmt: skip
+    assert not native_needs_packing(won_plain)
+
+
+def test_auto_times_packed_native_only_where_packing_may_follow(tiny_dir):
+    model = load_model(tiny_dir, dtype=torch.bfloat16, progress=False)
+    plain = choose_plan(model, torch.bfloat16, torch.device("cpu"), "auto")
+    assert all(NATIVE_PACKED not in plain.timings[c] for c in SHAPE_CLASSES)  # --dense-layout plain
+    may_pack = choose_plan(model, torch.bfloat16, torch.device("cpu"), "auto", may_pack=True)
+    packs_here = packing_unavailable(torch.bfloat16) is None
+    assert all((NATIVE_PACKED in may_pack.timings[c]) == packs_here for c in SHAPE_CLASSES)
+    for cls in SHAPE_CLASSES:
+        assert may_pack.paths[cls] == matmul_plan._winner(may_pack.timings[cls])
 
 
 def test_a_near_tie_keeps_the_simpler_path():
