@@ -37,7 +37,7 @@ def machine_line() -> str:
 
 def plan_line(engine) -> str:
     """Which path each shape class took in this engine, the LoRA stacks' dtype and kernel, the
-    decode attention's kernel and the quantised weights' (each kernel with its start-up timings
+    decode and prefill attention's kernels and the quantised weights' (each kernel with its start-up timings
     where it was raced)."""
     plan = engine.matmul_plan.describe()
     paths = ", ".join(f"{c} {p}" for c, p in plan["paths"].items())
@@ -47,7 +47,8 @@ def plan_line(engine) -> str:
         return plan[name] + (" (" + ", ".join(f"{k} {us:.0f} us" for k, us in timed.items()) + ")" if timed else "")
 
     return (f"matmul plan ({plan['source']}): {paths}; LoRA in {plan['lora_dtype']}, kernel "
-            f"{kernel('lora_kernel')}; decode attention {kernel('attention_kernel')}; quantised weights "
+            f"{kernel('lora_kernel')}; decode attention {kernel('attention_kernel')}; prefill attention "
+            f"{kernel('prefill_attention_kernel')}; quantised weights "
             f"{kernel('quant_kernel')}; dense weights {kernel('dense_layout')}")  # fmt: skip
 
 

@@ -86,8 +86,9 @@ class EngineConfig:
     # The LoRA delta's kernel on the CPU: "auto" times the fused C++ kernel (kernels/cpu_fused.py,
     # built for this CPU) against torch ops at start-up; "fused" / "torch" forces one.
     lora_kernel: str = "auto"
-    # How decode rows attend on the CPU (inference/layers/attention_plan.py): "auto" times the
-    # fused C++ paged kernel against torch's gather + SDPA at start-up; "fused" / "torch" forces one.
+    # How decode rows and prefill chunks attend on the CPU (inference/layers/attention_plan.py):
+    # "auto" times the fused C++ paged kernels against torch's SDPA at start-up, for each apart;
+    # "fused" / "torch" forces both.
     attention_kernel: str = "auto"
     # What multiplies int8/int4 weights on the CPU (inference/layers/quant_plan.py): "auto" times
     # the fused C++ kernel (int8 activations) against torch's at start-up; "fused" / "torch" forces one.

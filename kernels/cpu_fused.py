@@ -3,7 +3,10 @@
   - the multi-LoRA delta as one call per projection (kernels/csrc/lora_cpu.cpp, fused_op());
   - the paged decode attention as one call per step's decode rows (kernels/csrc/attention_cpu.cpp,
     attention_op(): the KV blocks read in place, an online softmax over each row's exact
-    context; the torch path gathers the blocks into a padded buffer for a masked SDPA);
+    context; the torch path gathers the blocks into a padded buffer for a masked SDPA), and
+    the prefill attention as one call per step's prefill chunks
+    (kernels/csrc/prefill_attention_cpu.cpp, prefill_attention_op(); the torch path calls SDPA
+    per chunk);
   - products with int4 / int8 weights on int8 activations (kernels/csrc/quant_cpu.cpp), and a
     decoder layer's RMSNorm, residual add and RoPE in one call each (kernels/csrc/layer_cpu.cpp):
     layer_ops().
@@ -48,14 +51,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "fused_op", "layer_ops", "loaded_op", "unavailable_reason",
-           "vector_width"]
+__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "fused_op", "layer_ops", "loaded_op", "prefill_attention_op",
+           "unavailable_reason", "vector_width"]
 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # the LoRA delta, and the paged decode attention (attention_op) built into the same library
-SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp"]
+SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp",
+           _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp"]
 HEADERS = [_CSRC / "cpu_vec.h"]  # what both include: part of the build key too
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
 # the copy torch already loaded (one OpenMP runtime, torch's thread count).
@@ -104,6 +108,17 @@ def attention_op() -> Callable[..., None] | None:
        rows [n], block_tables [n, max_blocks], context_lens [n], scale): out[rows[i]] = the
     decode attention of q[rows[i]] over the first context_lens[i] positions of its blocks."""
     return torch.ops.loraplex_cpu.paged_decode_attention if "op" in _state else None
+
+
+def prefill_attention_op() -> Callable[..., None] | None:
+    """torch.ops.loraplex_cpu.paged_prefill_attention where fused_op() has loaded the library,
+    else None; never builds (the per-step check).
+
+    op(out [T, Hq, D], q [T, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
+       starts [n], query_lens [n], block_tables [n, max_blocks], context_lens [n], scale): rows
+    starts[i] .. starts[i] + query_lens[i] of out = the causal attention of chunk i's queries
+    over the first context_lens[i] positions of its blocks (its cached prefix, then itself)."""
+    return torch.ops.loraplex_cpu.paged_prefill_attention if "op" in _state else None
 
 
 def layer_ops():

@@ -222,6 +222,7 @@ class LLMEngine:
             self.model, self.kv_caches, config.block_size, self.device,
             lora_slots=self.adapters.slots if self.adapters else None,
             decode_kernel=self.matmul_plan.attention_kernel,
+            prefill_kernel=self.matmul_plan.prefill_attention_kernel,
         )  # fmt: skip
         self.sampler = Sampler()
         self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)

@@ -55,9 +55,11 @@ class ModelRunner:
         device: torch.device,
         lora_slots: LoRASlots | None = None,
         decode_kernel: str = "torch",
+        prefill_kernel: str = "torch",
     ) -> None:
         self.model = model
         self.decode_kernel = decode_kernel  # how decode rows attend (AttentionMetadata.decode_kernel)
+        self.prefill_kernel = prefill_kernel  # how prefill chunks attend (AttentionMetadata.prefill_kernel)
         self.lora_slots = lora_slots
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -98,7 +100,8 @@ class ModelRunner:
             input_ids=tensor(input_ids),
             positions=tensor(positions),
             attn_meta=build_attention_metadata(
-                seq_lens, query_lens, block_tables, self.block_size, self.device, self.decode_kernel
+                seq_lens, query_lens, block_tables, self.block_size, self.device, self.decode_kernel,
+                self.prefill_kernel,
             ),
             lora_meta=self._lora_metadata(token_slots),
             sample_rows=tensor(sample_rows),

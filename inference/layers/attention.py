@@ -10,7 +10,9 @@ The cache of one layer is two tensors, k and v, each [num_blocks, block_size, n_
     start-up by inference/layers/attention_plan.py) one call takes every decode row instead,
     reading the blocks in place;
   - prefill chunks run one SDPA call per sequence: causal over the chunk itself when nothing
-    is cached before it, otherwise with a mask shifted by the cached prefix.
+    is cached before it, otherwise with a mask shifted by the cached prefix. Where the step's
+    prefill_kernel is "fused" (the CPU's C++ kernel, chosen at start-up like the decode one)
+    one call takes every chunk instead, reading its blocks in place.
 
 `paged_attention` dispatches on the device type, so a Triton/CUDA kernel can be registered
 with `register_attention_backend` and take the same inputs.
@@ -107,6 +109,13 @@ def torch_paged_attention(
             out.index_copy_(0, group.rows, o)
     for p in meta.prefills:
         out[p.start : p.end] = _prefill(q, k, v, k_cache, v_cache, p, scale)
+    batch = meta.prefill_batch
+    if batch is not None:  # the chunks' k/v are in the cache now: the kernel reads them there
+        prefill_op = cpu_fused.prefill_attention_op()
+        if prefill_op is None:
+            raise RuntimeError(f"prefill kernel fused: the CPU kernels are not loaded ({cpu_fused.unavailable_reason()})")
+        prefill_op(out, q, k_cache, v_cache, batch.starts, batch.query_lens, batch.block_tables, batch.context_lens,
+                   scale)  # fmt: skip
     return out
 
 

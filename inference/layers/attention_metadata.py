@@ -8,7 +8,8 @@ inference/layers/attention.py attends to them:
   - decode rows (query_len == 1) in length groups (`DecodeGroup`), each one SDPA call over
     gathered blocks with a padding mask;
   - prefill chunks (query_len > 1) one by one (`PrefillSeq`), causal, with a mask shifted by
-    the cached prefix when there is one.
+    the cached prefix when there is one; or, where the step's prefill_kernel is "fused", all
+    in one call of the CPU's C++ kernel (`PrefillBatch`: the chunks' rows and blocks, no masks).
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ class PrefillSeq:
 
 
 @dataclass
+class PrefillBatch:
+    """Every prefill chunk of a step, for the fused kernel's one call (kernels/cpu_fused.py's
+    prefill_attention_op): chunk i's rows are [starts[i], starts[i] + query_lens[i]) and attend
+    causally over the first context_lens[i] positions of block_tables[i] (its cached prefix,
+    then itself)."""
+
+    starts: torch.Tensor  # [n] long
+    query_lens: torch.Tensor  # [n] long
+    block_tables: torch.Tensor  # [n, max_blocks] long, padded with block 0 (never read)
+    context_lens: torch.Tensor  # [n] long
+
+
+@dataclass
 class AttentionMetadata:
     num_tokens: int  # T
     block_size: int
@@ -61,6 +75,11 @@ class AttentionMetadata:
     # (the C++ paged kernel of kernels/cpu_fused.py, reading the blocks in place): the matmul
     # plan's attention_kernel, measured at start-up (inference/layers/matmul_plan.py).
     decode_kernel: str = "torch"
+    # How prefill chunks attend: "torch" (one SDPA call per chunk, `prefills`) or "fused" (one
+    # call of the C++ kernel for all of them, `prefill_batch`; `prefills` then empty): the
+    # matmul plan's prefill_attention_kernel (inference/layers/attention_plan.py).
+    prefill_kernel: str = "torch"
+    prefill_batch: PrefillBatch | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -80,12 +99,14 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     decode_kernel: str = "torch",
+    prefill_kernel: str = "torch",
 ) -> AttentionMetadata:
     """Everything the layers need for one step, computed once.
 
     seq_lens[i]: tokens of sequence i once this step's are in; query_lens[i]: how many of them
-    are new this step; block_tables[i]: its blocks, in position order. decode_kernel: see
-    AttentionMetadata (the fused kernel pads nothing, so its decode rows form one group).
+    are new this step; block_tables[i]: its blocks, in position order. decode_kernel and
+    prefill_kernel: see AttentionMetadata (the fused kernel pads nothing, so its decode rows
+    form one group).
     """
     S = len(seq_lens)
     if S == 0:
@@ -132,13 +153,21 @@ def build_attention_metadata(
         for ids in (_split_by_length(decode_ids, seq_lens, block_size) if decode_kernel != "fused"
                     else [decode_ids] if decode_ids else [])
     ]
-    prefills = [
-        _prefill_seq(
-            i, seq_lens[i], query_lens[i], int(loc[i]), block_tables[i], block_size, device
+    prefill_ids = [i for i in range(S) if query_lens[i] > 1]
+    prefills, prefill_batch = [], None
+    if prefill_kernel == "fused" and prefill_ids:
+        idx = torch.tensor(prefill_ids, dtype=torch.long)
+        prefill_batch = PrefillBatch(
+            starts=loc[:-1][idx].to(device),
+            query_lens=q_lens[idx].to(device),
+            block_tables=table[idx].contiguous().to(device),
+            context_lens=lens[idx].to(device),
         )
-        for i in range(S)
-        if query_lens[i] > 1
-    ]
+    else:
+        prefills = [
+            _prefill_seq(i, seq_lens[i], query_lens[i], int(loc[i]), block_tables[i], block_size, device)
+            for i in prefill_ids
+        ]
     return AttentionMetadata(
         num_tokens=T,
         block_size=block_size,
@@ -149,6 +178,8 @@ def build_attention_metadata(
         decode_groups=decode_groups,
         prefills=prefills,
         decode_kernel=decode_kernel,
+        prefill_kernel=prefill_kernel,
+        prefill_batch=prefill_batch,
     )
 
 

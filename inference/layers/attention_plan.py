@@ -1,15 +1,20 @@
-"""How decode rows attend on this CPU, measured at start-up: torch ops or the fused C++ kernel.
+"""How decode rows and prefill chunks attend on this CPU, measured at start-up: torch ops or the
+fused C++ kernels.
 
     torch   per decode group, the rows' KV blocks gathered into a padded buffer (index_select),
-            then one masked SDPA (inference/layers/attention.py)
-    fused   kernels/csrc/attention_cpu.cpp: each (sequence, kv head) reads its blocks in place,
-            an online softmax over exactly its context, in fp32 (no gather, no padding, no mask)
+            then one masked SDPA; per prefill chunk, one causal SDPA (inference/layers/attention.py)
+    fused   decode: kernels/csrc/attention_cpu.cpp: each (sequence, kv head) reads its blocks in
+            place, an online softmax over exactly its context, in fp32 (no gather, no padding,
+            no mask); prefill: kernels/csrc/prefill_attention_cpu.cpp, every chunk of the step
+            in one call, tiles of query rows against the blocks in place, causal, in fp32
 
-"auto" times both on the model's own heads (a batch of 32 decode rows at mixed context
-lengths, through the same paged_attention the layers call) and takes the faster; the fused
-kernel must win by SWITCH_FACTOR. "fused" or "torch" forces one (`--attention-kernel`, env
-INFERENCE_ATTENTION_KERNEL). The choice is the matmul plan's `attention_kernel`: logged, in
-/v1/base_model and in the metric loraplex:matmul_plan_info{shape_class="attention_kernel"}.
+"auto" times both on the model's own heads, through the same paged_attention the layers call,
+for decode (a batch of 32 decode rows at mixed context lengths) and for prefill (chunks of mixed
+lengths, one after a cached prefix) apart, and takes the faster for each; the fused kernel must
+win by SWITCH_FACTOR. "fused" or "torch" forces one for both (`--attention-kernel`, env
+INFERENCE_ATTENTION_KERNEL). The choices are the matmul plan's `attention_kernel` and
+`prefill_attention_kernel`: logged, in /v1/base_model and in the metric
+loraplex:matmul_plan_info{shape_class="attention_kernel" / "prefill_attention_kernel"}.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ SWITCH_FACTOR = 0.9  # the fused kernel replaces torch's when it takes under thi
 BLOCK_SIZE = 16
 # the timed batch: 32 decode rows, contexts spread over 64..512 tokens
 CONTEXT_LENS = [64 + (448 * i) // 31 for i in range(32)]
+# the timed prefill step: (context length, chunk length) of 8 chunks from 16 to 256 tokens,
+# the last after a cached prefix of 128
+PREFILL_CHUNKS = [(16 + (240 * i) // 7, 16 + (240 * i) // 7) for i in range(7)] + [(256, 128)]
 
 
 def fused_unsupported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
@@ -46,39 +54,49 @@ def with_attention_kernel(
     plan: MatmulPlan, requested: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     device: torch.device,
 ) -> MatmulPlan:
-    """`plan` with its decode attention kernel: "torch"; "fused" (RuntimeError where it cannot be
-    built here or cannot take these heads, the reason given); "auto": the faster (see module
-    doc), torch where the fused one is unavailable. CUDA keeps its own backend: torch here."""
+    """`plan` with its decode and prefill attention kernels: "torch"; "fused" (RuntimeError where
+    they cannot be built here or cannot take these heads, the reason given); "auto": the faster
+    of each (see module doc), torch where the fused ones are unavailable. CUDA keeps its own
+    backend: torch here."""
     if requested not in ATTENTION_KERNEL_CHOICES:
         raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNEL_CHOICES)}, got {requested!r}")
     if requested == TORCH_KERNEL or device.type != "cpu":
-        return replace(plan, attention_kernel=TORCH_KERNEL)
+        return replace(plan, attention_kernel=TORCH_KERNEL, prefill_attention_kernel=TORCH_KERNEL)
     op = cpu_fused.fused_op()  # builds (or loads) the library that holds the attention op
     why = f"cannot be built here ({cpu_fused.unavailable_reason()})" if op is None else fused_unsupported(
         num_heads, num_kv_heads, head_dim, dtype)  # fmt: skip
     if requested == FUSED_KERNEL:
         if why is not None:
             raise RuntimeError(f"attention kernel fused: {why}")
-        return replace(plan, attention_kernel=FUSED_KERNEL)
+        return replace(plan, attention_kernel=FUSED_KERNEL, prefill_attention_kernel=FUSED_KERNEL)
     if why is not None:
-        return replace(plan, attention_kernel=TORCH_KERNEL)
-    seconds = race({kernel: _decode_step(num_heads, num_kv_heads, head_dim, dtype, kernel)
-                     for kernel in (TORCH_KERNEL, FUSED_KERNEL)})  # fmt: skip
-    best = FUSED_KERNEL if seconds[FUSED_KERNEL] < SWITCH_FACTOR * seconds[TORCH_KERNEL] else TORCH_KERNEL
-    return replace(plan, attention_kernel=best, timings={**plan.timings, "attention_kernel": seconds})
+        return replace(plan, attention_kernel=TORCH_KERNEL, prefill_attention_kernel=TORCH_KERNEL)
+    heads = (num_heads, num_kv_heads, head_dim, dtype)
+    picks, timings = {}, dict(plan.timings)
+    for name, context_lens, query_lens in (
+        ("attention_kernel", CONTEXT_LENS, [1] * len(CONTEXT_LENS)),
+        ("prefill_attention_kernel", *map(list, zip(*PREFILL_CHUNKS, strict=True))),
+    ):
+        seconds = race({kernel: _step(*heads, kernel, context_lens, query_lens) for kernel in (TORCH_KERNEL, FUSED_KERNEL)})
+        picks[name] = FUSED_KERNEL if seconds[FUSED_KERNEL] < SWITCH_FACTOR * seconds[TORCH_KERNEL] else TORCH_KERNEL
+        timings[name] = seconds
+    return replace(plan, **picks, timings=timings)
 
 
-def _decode_step(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kernel: str):
-    """One layer's paged attention for the timed batch with `kernel`: a callable."""
+def _step(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kernel: str,
+          context_lens: list[int], query_lens: list[int]):  # fmt: skip
+    """One layer's paged attention for a timed step with `kernel` on both its decode rows and its
+    prefill chunks: a callable."""
     tables, start = [], 0
-    for n in CONTEXT_LENS:
+    for n in context_lens:
         blocks = -(-n // BLOCK_SIZE)
         tables.append(list(range(start, start + blocks)))
         start += blocks
     k_cache = torch.randn(start, BLOCK_SIZE, num_kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(start, BLOCK_SIZE, num_kv_heads, head_dim).to(dtype)
-    meta = build_attention_metadata(CONTEXT_LENS, [1] * len(CONTEXT_LENS), tables, BLOCK_SIZE, decode_kernel=kernel)
-    rows = len(CONTEXT_LENS)
+    meta = build_attention_metadata(context_lens, query_lens, tables, BLOCK_SIZE, decode_kernel=kernel,
+                                    prefill_kernel=kernel)  # fmt: skip
+    rows = sum(query_lens)
     q = torch.randn(rows, num_heads, head_dim).to(dtype)
     k = torch.randn(rows, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(rows, num_kv_heads, head_dim).to(dtype)

@@ -92,6 +92,8 @@ class MatmulPlan:
     lora_kernel: str = TORCH_KERNEL  # "torch" or "fused" on the CPU, "triton" on CUDA
     # how decode rows attend on the CPU: "torch" or "fused" (inference/layers/attention_plan.py)
     attention_kernel: str = TORCH_KERNEL
+    # how prefill chunks attend on the CPU: "torch" or "fused" (inference/layers/attention_plan.py)
+    prefill_attention_kernel: str = TORCH_KERNEL
     # what multiplies quantised weights (--weights-dtype int8/int4): "torch" or "fused"
     # (inference/layers/quant_plan.py)
     quant_kernel: str = TORCH_KERNEL
@@ -118,6 +120,7 @@ class MatmulPlan:
             "lora_dtype": str(self.lora_dtype).removeprefix("torch."),
             "lora_kernel": self.lora_kernel,
             "attention_kernel": self.attention_kernel,
+            "prefill_attention_kernel": self.prefill_attention_kernel,
             "quant_kernel": self.quant_kernel,
             "dense_layout": self.dense_layout,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),

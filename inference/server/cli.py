@@ -88,9 +88,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                                          "(built for this CPU on first use) against torch ops at start-up; "
                                          "fused / torch forces one", "lora_kernel"))
     p.add_argument("--attention-kernel", choices=["auto", "fused", "torch"],
-                   help=engine_flag_help("how decode rows attend on the CPU: auto times the fused C++ paged "
-                                         "kernel (built with the LoRA one) against torch's gather + SDPA at "
-                                         "start-up; fused / torch forces one", "attention_kernel"))
+                   help=engine_flag_help("how decode rows and prefill chunks attend on the CPU: auto times "
+                                         "the fused C++ paged kernels (built with the LoRA one) against torch's "
+                                         "SDPA at start-up, for each apart; fused / torch forces both",
+                                         "attention_kernel"))
     p.add_argument("--quant-kernel", choices=["auto", "fused", "torch"],
                    help=engine_flag_help("what multiplies --weights-dtype int8/int4 weights on the CPU: auto "
                                          "times the fused C++ kernel (int8 activations, built with the LoRA "

@@ -109,7 +109,8 @@ class ServerMetrics:
               registry=self.registry).labels(*map(str, info.values())).set(1)
         # Which matmul path each shape class runs on this CPU (measured at start-up or forced);
         # the "lora" class's path is the LoRA stacks' dtype, "lora_kernel"'s the delta's kernel,
-        # "attention_kernel"'s how decode rows attend, "quant_kernel"'s what multiplies int8/int4 weights, "dense_layout"'s how dense weights lie.
+        # "attention_kernel"'s how decode rows attend, "prefill_attention_kernel"'s how prefill chunks do,
+        # "quant_kernel"'s what multiplies int8/int4 weights, "dense_layout"'s how dense weights lie.
         plan = llm.matmul_plan.describe()
         matmul = Gauge("loraplex:matmul_plan_info", "The matmul path per shape class (1), measured at start-up "
                        "or forced with --matmul-path.", ["shape_class", "path", "source", "cpu_capability"],
@@ -117,6 +118,7 @@ class ServerMetrics:
         for shape_class, path in [*plan["paths"].items(), ("lora", plan["lora_dtype"]),
                                   ("lora_kernel", plan["lora_kernel"]),
                                   ("attention_kernel", plan["attention_kernel"]),
+                                  ("prefill_attention_kernel", plan["prefill_attention_kernel"]),
                                   ("quant_kernel", plan["quant_kernel"]),
                                   ("dense_layout", plan["dense_layout"])]:  # fmt: skip
             matmul.labels(shape_class, path, plan["source"], plan["cpu_capability"]).set(1)

@@ -1,6 +1,7 @@
 // What the CPU kernels (lora_cpu.cpp, attention_cpu.cpp, ...) share: one register of floats as a
 // GCC vector type, lowered by -march=native to AVX-512 (16 floats) or AVX2 (8), and loading V
-// values of any of the model's dtypes into it as fp32; and the dispatch on those dtypes.
+// values of any of the model's dtypes into it as fp32; the attention kernels' softmax exp; and the
+// dispatch on those dtypes.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -48,6 +49,29 @@ inline vf load_v<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is fp32's top
   vf v;
   __builtin_memcpy(&v, &bits, sizeof(vf));
   return v;
+}
+
+// exp(x) for x <= 0 (a score minus the running max), relative error ~2e-7: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n put in the exponent bits.
+// Below -87 the result is 0 (what expf gives, to within a denormal).
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.f;
+  x = x < lo ? lo : x;
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (vf{} - 0.5f), vi), vf);
+  // the conversion truncates toward zero; x * log2(e) - 0.5 is negative, so this rounds to nearest
+  const vf r = x - n * 0.693147180559945309f;
+  vf p = vf{} + (1.f / 720.f);
+  p = p * r + (1.f / 120.f);
+  p = p * r + (1.f / 24.f);
+  p = p * r + (1.f / 6.f);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof(vf));
+  vf out = p * scale;
+  return x <= lo ? vf{} : out;
 }
 
 // f(T{}) with T the C++ type of `t` (fp32, bf16, fp16); anything else: an error naming `what`

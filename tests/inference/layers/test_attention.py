@@ -136,6 +136,15 @@ def test_metadata_slot_mapping_and_masks():
     first, second = meta.prefills
     assert first.mask.shape == (2, 18) and first.mask[0].sum() == 17 and first.mask[1].all()
     assert second.mask is None and second.block_ids is None  # nothing cached: plain causal
+    assert meta.prefill_batch is None
+
+
+def test_metadata_for_the_fused_prefill_kernel_holds_every_chunk_without_masks():
+    meta = build_attention_metadata([18, 1, 3], [2, 1, 3], [[7, 2], [4], [5]], block_size=16, prefill_kernel="fused")
+    assert meta.prefills == [] and len(meta.decode_groups) == 1
+    batch = meta.prefill_batch
+    assert batch.starts.tolist() == [0, 3] and batch.query_lens.tolist() == [2, 3]
+    assert batch.context_lens.tolist() == [18, 3] and batch.block_tables.tolist() == [[7, 2], [5, 0]]
 
 
 @pytest.mark.parametrize(
