@@ -25,9 +25,9 @@ Checkpoint conventions this file relies on (the loaders translate into them at l
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from inference.layers.activation import silu_mul
 from inference.layers.attention import KVCache, paged_attention
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.layers.linear import DEFAULT_PLAN, Linear, linear
@@ -175,5 +175,5 @@ class LlamaMLP(nn.Module):
     def forward(
         self, x: torch.Tensor, lora_meta: LoRABatchMetadata | None
     ) -> torch.Tensor:  # [T, hidden]
-        gate, up = self.gate_up_proj(x, lora_meta).chunk(2, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up, lora_meta)  # [T, hidden]
+        gate_up = self.gate_up_proj(x, lora_meta)  # [T, 2 * inter]
+        return self.down_proj(silu_mul(gate_up), lora_meta)  # [T, hidden]

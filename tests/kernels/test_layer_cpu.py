@@ -1,5 +1,5 @@
 """A decoder layer's small ops in one call each (kernels/csrc/layer_cpu.cpp): RMSNorm, the residual
-add with the norm after it, and RoPE give what the layers' torch code gives (in bf16 and fp16, where
+add with the norm after it, RoPE and the MLP's silu(gate) * up give what the layers' torch code gives (in bf16 and fp16, where
 torch rounds at every step, the same bits but for a rare last-bit tie that the sum of squares'
 order tips; to fp32 rounding in fp32), on decode and prefill row counts and strided views; the
 layers call them on the CPU; a misshapen call is a clear error."""
@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.layers import norm, rotary
+import torch.nn.functional as F
+
+from inference.layers import activation, norm, rotary
+from inference.layers.activation import silu_mul
 from inference.layers.norm import RMSNorm
 from inference.layers.rotary import apply_rope, rope_heads
 from kernels import cpu_fused
@@ -83,19 +86,38 @@ def test_rope_rotates_the_first_heads_of_a_strided_qkv_as_apply_rope(ops, dtype,
     assert rope_heads(qkv, cos, sin, 0).shape == (rows, 0, 64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inter", [1536, 1000 + 7])  # SmolLM2's, and one that leaves a tail of a vector
+def test_silu_mul_is_torchs_activation_on_the_gate_up_product(ops, dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * inter + 6, generator=gen) * 4).to(dtype)[:, 3 : 3 + 2 * inter]  # strided rows
+    gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    assert got.is_contiguous() and torch.equal(got.isnan(), want.isnan())  # nan, and silu(-inf), where torch has them
+    assert_same(got.nan_to_num(0), want.nan_to_num(0))
+    if dtype == torch.bfloat16:  # the engine's dtype: exactly torch's bits
+        assert torch.equal(got.nan_to_num(0), want.nan_to_num(0))
+    assert_same(silu_mul(gate_up).nan_to_num(0), want.nan_to_num(0))  # what the MLP calls, fp16 through torch
+
+
 def test_the_layers_fall_back_to_torch_ops_without_the_library(ops, monkeypatch):
     layer = norm_layer(32, torch.bfloat16)
     x, delta = torch.randn(2, 32).bfloat16(), torch.randn(2, 32).bfloat16()
     qkv, cos, sin = torch.randn(2, 6, 16).bfloat16(), torch.randn(2, 1, 16).bfloat16(), torch.randn(2, 1, 16).bfloat16()
-    fused = layer(x), layer.add_and_norm(x, delta), rope_heads(qkv, cos, sin, 4)
+    gate_up = torch.randn(2, 64).bfloat16()
+    fused = layer(x), layer.add_and_norm(x, delta), rope_heads(qkv, cos, sin, 4), silu_mul(gate_up)
     calls = []
     monkeypatch.setattr(cpu_fused, "layer_ops", lambda: calls.append(1))  # returns None: not loaded
-    assert norm.cpu_fused.layer_ops is rotary.cpu_fused.layer_ops
-    unfused = layer(x), layer.add_and_norm(x, delta), rope_heads(qkv, cos, sin, 4)
-    assert len(calls) >= 3
+    assert norm.cpu_fused.layer_ops is rotary.cpu_fused.layer_ops is activation.cpu_fused.layer_ops
+    unfused = layer(x), layer.add_and_norm(x, delta), rope_heads(qkv, cos, sin, 4), silu_mul(gate_up)
+    assert len(calls) >= 4
     assert_same(unfused[0], fused[0])
     assert_same(unfused[1][0], fused[1][0]) and assert_same(unfused[1][1], fused[1][1])
     assert_same(unfused[2], fused[2])
+    assert_same(unfused[3], fused[3])
 
 
 def test_misshapen_calls_are_refused(ops):
@@ -121,3 +143,9 @@ def test_misshapen_calls_are_refused(ops):
         ops.rope(qkv, cs.bfloat16(), cs, 2)
     with pytest.raises(RuntimeError, match="rope: qkv must be"):
         ops.rope(qkv.transpose(1, 2), cs, cs, 2)
+    with pytest.raises(RuntimeError, match=r"silu_mul: gate_up must be \[T, 2I\]"):
+        ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match=r"silu_mul: gate_up must be \[T, 2I\]"):
+        ops.silu_mul(torch.randn(8, 2).t())
+    with pytest.raises(RuntimeError, match="silu_mul: unsupported dtype"):
+        ops.silu_mul(torch.randn(2, 8).double())
