@@ -396,6 +396,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._compiling)
 
+    def do_idle_work(self) -> None:
+        """Work deferred off a request's first token (a loaded adapter's host copy handed to its
+        slot, an emptied slot zeroed: ~1-2 ms after each load), done now, while nothing waits on
+        the engine; otherwise the next step does it first. The server's engine thread calls
+        this whenever it runs out of requests."""
+        if self.adapters is not None:
+            self.adapters.begin_step()
+
     # -- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule → run → sample → postprocess. Returns an output for every

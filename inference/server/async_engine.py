@@ -255,6 +255,8 @@ class AsyncEngine:
     def _loop_forever(self) -> None:
         engine = self.engine
         while True:
+            if not engine.has_unfinished_requests():  # deferred work now, not on the next request's first token
+                engine.do_idle_work()
             with self._cond:
                 while not self._commands and not self._stopping and not engine.has_unfinished_requests():
                     self._cond.wait()

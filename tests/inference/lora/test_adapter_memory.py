@@ -112,6 +112,46 @@ def held_once_then_copied_back(engine: LLMEngine, root: Path) -> None:
     assert run(engine, "b").token_ids == b_tokens != first
 
 
+def test_a_loaded_adapter_hands_its_host_copy_to_its_slot_when_the_engine_goes_idle(engine, root: Path) -> None:
+    """Not on the request's own first token, nor on the next request's: the server's engine
+    thread does it once it runs out of requests."""
+    info = engine.add_adapter("a", root / "a")
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
+    request_id = engine.add_request(PROMPT, one_token, lora="a")
+    first = engine.run_until_done([request_id])[request_id].token_ids  # one step: the first token is the last
+    assert engine.memory_stats()["host_adapters"] == info.nbytes  # still held twice
+    engine.do_idle_work()
+    assert engine.memory_stats()["host_adapters"] == 0  # the slot is its only copy
+    engine.do_idle_work()  # nothing left to do: nothing changes
+    assert engine.memory_stats()["host_adapters"] == 0
+    again = engine.add_request(PROMPT, one_token, lora="a")
+    assert engine.run_until_done([again])[again].token_ids == first  # the slot serves the same
+
+
+async def test_the_servers_engine_thread_does_the_idle_work_between_requests(root: Path) -> None:
+    import asyncio
+
+    from inference.server.async_engine import AsyncEngine
+
+    server = AsyncEngine(lambda: one_slot_engine(root, max_cpu_loras=1))
+    server.start()
+    try:
+        await asyncio.wait_for(asyncio.to_thread(server.ready.wait, 60), 65)
+        info = await asyncio.to_thread(server.engine.add_adapter, "a", root / "a")  # before any request
+        stream = await server.add([{"prompt": PROMPT, "params": SamplingParams(max_tokens=1, temperature=0.0),
+                                    "lora": "a"}])  # fmt: skip
+        outputs = [o async for o in server.outputs(stream)]
+        assert outputs[-1].finished and len(outputs[-1].token_ids) == 1
+        for _ in range(200):  # the thread goes idle right after the last step: within moments
+            if server.engine.memory_stats()["host_adapters"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert server.engine.memory_stats()["host_adapters"] == 0 < info.nbytes
+    finally:
+        server.shutdown()
+        server.engine.shutdown()
+
+
 def test_the_slot_a_cold_adapter_will_take_is_copied_out_while_it_loads(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
