@@ -239,6 +239,9 @@ class _EngineWithGrammars:
     def has_unfinished_requests(self) -> bool:
         return False
 
+    def do_idle_work(self) -> None:  # nothing is ever deferred: it runs no requests
+        pass
+
 
 async def test_async_precheck_refuses_bad_schemas_and_warms_the_cache(grammars) -> None:
     import asyncio
