@@ -33,26 +33,28 @@ __all__ = ["CpuStacks", "cpu_stacks"]
 @dataclass(frozen=True, eq=False)
 class CpuStacks:
     """See the module docstring. `index`: the slices to add (those some resident adapter
-    adapts: an all-q/v fleet skips k); `offsets[s]`: slice s's first column of the output."""
+    adapts: an all-q/v fleet skips k); `offsets[s]`: slice s's first column of the output.
+    The sizes are derived once (the stacks never change shape): every LoRA call checks its
+    activations against them, 120 calls a step for SmolLM2."""
 
     a_t: torch.Tensor
     b_t: tuple[torch.Tensor, ...]
     offsets: tuple[int, ...]
     index: tuple[int, ...]
 
-    @property
+    @cached_property
     def num_slices(self) -> int:
         return len(self.b_t)
 
-    @property
+    @cached_property
     def max_loras(self) -> int:
         return self.a_t.shape[0]
 
-    @property
+    @cached_property
     def in_features(self) -> int:
         return self.a_t.shape[1]
 
-    @property
+    @cached_property
     def max_rank(self) -> int:
         return self.a_t.shape[2] // self.num_slices
 
@@ -62,7 +64,7 @@ class CpuStacks:
         derived once per index."""
         return [self.b_t[s] for s in self.index], [self.offsets[s] for s in self.index]
 
-    @property
+    @cached_property
     def out_features(self) -> int:
         return self.offsets[-1] + self.b_t[-1].shape[2]
 
