@@ -60,7 +60,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # the LoRA delta, and the paged decode attention (attention_op) built into the same library
 SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp",
            _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp"]
-HEADERS = [_CSRC / "cpu_vec.h"]  # what both include: part of the build key too
+HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "paged_attention.h"]  # what they include: part of the build key too
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
 # the copy torch already loaded (one OpenMP runtime, torch's thread count).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

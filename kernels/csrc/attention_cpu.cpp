@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "paged_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,8 +33,6 @@ namespace {
 using namespace loraplex_vec;
 
 constexpr int CH = V;          // positions per chunk: one vector of scores per query head
-constexpr int MAX_D = 16 * V;  // head size bound: 16 vectors (256 with AVX-512, 128 with AVX2)
-constexpr int MAX_G = 16;      // query heads per kv head
 
 // the sum of v's lanes, as a tree (a loop would chain V dependent adds)
 inline float hsum(vf v) {
@@ -93,7 +92,6 @@ void item(const Shape& s, const T* q, T* out, const T* k_cache, const T* v_cache
   alignas(64) float qs[MAX_G][D];
   alignas(64) float acc[MAX_G][D];
   float m[MAX_G], l[MAX_G];
-  const auto kb_zero = [](float* dst) { const vf zero{}; __builtin_memcpy(dst, &zero, sizeof(vf)); };
   for (int64_t g = 0; g < G; ++g) {
     const T* qg = q + (h * G + g) * s.q_head;
     for (int j = 0; j < D; ++j) qs[g][j] = to_f(qg[j]) * s.scale, acc[g][j] = 0.f;
@@ -107,19 +105,7 @@ void item(const Shape& s, const T* q, T* out, const T* k_cache, const T* v_cache
   for (int c = 0; c < CH; ++c) lane[c] = static_cast<float>(c);
   for (int64_t p0 = 0; p0 < ctx; p0 += CH) {
     const int n = static_cast<int>(std::min<int64_t>(CH, ctx - p0));
-    for (int c = 0; c < CH; ++c) {
-      if (c >= n) {  // past the context: zero rows (their scores are masked below)
-        for (int j = 0; j < DV; ++j) kb_zero(kb[c] + j * V), kb_zero(vb[c] + j * V);
-        continue;
-      }
-      const int64_t pos = p0 + c, block = table[pos / s.block_size];
-      const int64_t at = (block * s.block_size + pos % s.block_size) * row + h * D;
-      for (int j = 0; j < DV; ++j) {
-        const vf kv = load_v(k_cache + at + j * V), vv = load_v(v_cache + at + j * V);
-        __builtin_memcpy(kb[c] + j * V, &kv, sizeof(vf));
-        __builtin_memcpy(vb[c] + j * V, &vv, sizeof(vf));
-      }
-    }
+    load_chunk<DV, CH>(kb, vb, k_cache, v_cache, table, s.block_size, row, h, p0, n);  // past n: zeros, masked below
     const vf past = vf{} + static_cast<float>(n);
     for (int64_t g = 0; g < G; ++g) {
       vf q[DV];
@@ -173,16 +159,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
       const T* qi = qp + rp[i] * s.q_row;
       T* oi = op + rp[i] * s.out_row;
       const int64_t* ti = tp + i * s.table_row;
-      switch (s.d / V) {
-#define LORAPLEX_HEAD(DV) \
-  case DV:                \
-    item<DV, T>(s, qi, oi, kp, vp, ti, cp[i], h); \
-    break;
-        LORAPLEX_HEAD(1) LORAPLEX_HEAD(2) LORAPLEX_HEAD(3) LORAPLEX_HEAD(4) LORAPLEX_HEAD(5) LORAPLEX_HEAD(6)
-        LORAPLEX_HEAD(7) LORAPLEX_HEAD(8) LORAPLEX_HEAD(9) LORAPLEX_HEAD(10) LORAPLEX_HEAD(11) LORAPLEX_HEAD(12)
-        LORAPLEX_HEAD(13) LORAPLEX_HEAD(14) LORAPLEX_HEAD(15) LORAPLEX_HEAD(16)
-#undef LORAPLEX_HEAD
-      }
+      by_head_vectors(s.d / V, [&](auto dv) { item<decltype(dv)::value, T>(s, qi, oi, kp, vp, ti, cp[i], h); });
     }
   });
 }
@@ -191,21 +168,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
 // reading or writing out of bounds).
 Shape check(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "q and out must be [T, Hq, D] alike");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] alike");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type() && q.scalar_type() == k_cache.scalar_type() &&
-                  q.scalar_type() == v_cache.scalar_type(),
-              "q, out and the caches must share a dtype");
+  check_heads(out, q, k_cache, v_cache);
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d, "the caches' head size differs from q's");
-  TORCH_CHECK(d % V == 0 && d <= MAX_D, "head size must be a multiple of ", V, " up to ", MAX_D);
-  TORCH_CHECK(hkv >= 1 && hq % hkv == 0 && hq / hkv <= MAX_G, "Hq must be Hkv times 1 to ", MAX_G);
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && q.stride(1) == d && out.stride(1) == d,
-              "q and out rows must be contiguous [Hq, D]");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows: contiguous int64 [n]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous() &&
                   block_tables.size(0) == rows.size(0),
@@ -220,8 +184,7 @@ Shape check(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(rp[i] >= 0 && rp[i] < q.size(0), "row out of range");
     TORCH_CHECK(cp[i] >= 1 && cp[i] <= nb * bs, "context length outside 1..max_blocks * block_size");
-    for (int64_t b = 0; b < (cp[i] + bs - 1) / bs; ++b)
-      TORCH_CHECK(tp[i * nb + b] >= 0 && tp[i * nb + b] < k_cache.size(0), "block id out of range");
+    check_blocks(tp + i * nb, cp[i], bs, k_cache.size(0));
   }
   return Shape{bs, hkv, hq / hkv, d, q.stride(0), q.stride(1), out.stride(0), out.stride(1), nb,
                static_cast<float>(scale)};

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "paged_attention.h"
 
 #include <algorithm>
 #include <atomic>
@@ -39,8 +40,6 @@ namespace {
 using namespace loraplex_vec;
 
 constexpr int CH = V;          // positions per chunk
-constexpr int MAX_D = 16 * V;  // head size bound, as the decode kernel's
-constexpr int MAX_G = 16;      // query heads per kv head
 
 struct Shape {
   int64_t block_size, hkv, g, q_row, out_row, table_row;
@@ -82,19 +81,7 @@ void tile(const Shape& s, const T* q, T* out, const T* k_cache, const T* v_cache
   alignas(64) float vb[CH][D];
   for (int64_t p0 = 0; p0 <= p_hi; p0 += CH) {
     const int n = static_cast<int>(std::min<int64_t>(CH, p_hi + 1 - p0));
-    for (int c = 0; c < CH; ++c) {
-      if (c >= n) {  // past the last row's position: zeros (masked below; no NaN from memory)
-        for (int d = 0; d < D; ++d) kb[c][d] = 0.f, vb[c][d] = 0.f;
-        continue;
-      }
-      const int64_t p = p0 + c, block = table[p / s.block_size];
-      const int64_t at = (block * s.block_size + p % s.block_size) * row + h * D;
-      for (int j = 0; j < DV; ++j) {
-        const vf kv = load_v(k_cache + at + j * V), vv = load_v(v_cache + at + j * V);
-        __builtin_memcpy(kb[c] + j * V, &kv, sizeof(vf));
-        __builtin_memcpy(vb[c] + j * V, &vv, sizeof(vf));
-      }
-    }
+    load_chunk<DV, CH>(kb, vb, k_cache, v_cache, table, s.block_size, row, h, p0, n);  // past n: zeros, masked below
     vf sc[CH];
     for (int c = 0; c < CH; ++c) sc[c] = vf{};
     for (int d = 0; d < D; ++d) {
@@ -157,16 +144,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
         const T* qi = qp + sp[t.i] * s.q_row;
         T* oi = op + sp[t.i] * s.out_row;
         const int64_t* ti = tp + t.i * s.table_row;
-        switch (d / V) {
-#define LORAPLEX_HEAD(DV) \
-  case DV:                \
-    tile<DV, T>(s, qi, oi, kp, vp, ti, qlp[t.i], cp[t.i], t.h, t.u0); \
-    break;
-          LORAPLEX_HEAD(1) LORAPLEX_HEAD(2) LORAPLEX_HEAD(3) LORAPLEX_HEAD(4) LORAPLEX_HEAD(5) LORAPLEX_HEAD(6)
-          LORAPLEX_HEAD(7) LORAPLEX_HEAD(8) LORAPLEX_HEAD(9) LORAPLEX_HEAD(10) LORAPLEX_HEAD(11) LORAPLEX_HEAD(12)
-          LORAPLEX_HEAD(13) LORAPLEX_HEAD(14) LORAPLEX_HEAD(15) LORAPLEX_HEAD(16)
-#undef LORAPLEX_HEAD
-        }
+        by_head_vectors(d / V, [&](auto dv) {
+          tile<decltype(dv)::value, T>(s, qi, oi, kp, vp, ti, qlp[t.i], cp[t.i], t.h, t.u0);
+        });
       }
     }
   });
@@ -177,21 +157,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
 Shape check(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& starts, const at::Tensor& query_lens, const at::Tensor& block_tables,
             const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "q and out must be [T, Hq, D] alike");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] alike");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type() && q.scalar_type() == k_cache.scalar_type() &&
-                  q.scalar_type() == v_cache.scalar_type(),
-              "q, out and the caches must share a dtype");
+  check_heads(out, q, k_cache, v_cache);
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d, "the caches' head size differs from q's");
-  TORCH_CHECK(d % V == 0 && d <= MAX_D, "head size must be a multiple of ", V, " up to ", MAX_D);
-  TORCH_CHECK(hkv >= 1 && hq % hkv == 0 && hq / hkv <= MAX_G, "Hq must be Hkv times 1 to ", MAX_G);
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && q.stride(1) == d && out.stride(1) == d,
-              "q and out rows must be contiguous [Hq, D]");
   for (const auto* t : {&starts, &query_lens, &context_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() && t->size(0) == starts.size(0),
                 "starts, query_lens and context_lens: contiguous int64 [n] alike");
@@ -206,8 +173,7 @@ Shape check(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(qlp[i] >= 1 && sp[i] >= 0 && sp[i] + qlp[i] <= q.size(0), "a chunk's rows fall outside q");
     TORCH_CHECK(cp[i] >= qlp[i] && cp[i] <= nb * bs, "context length outside query_len..max_blocks * block_size");
-    for (int64_t b = 0; b < (cp[i] + bs - 1) / bs; ++b)
-      TORCH_CHECK(tp[i * nb + b] >= 0 && tp[i * nb + b] < k_cache.size(0), "block id out of range");
+    check_blocks(tp + i * nb, cp[i], bs, k_cache.size(0));
   }
   return Shape{bs, hkv, hq / hkv, q.stride(0), out.stride(0), nb, static_cast<float>(scale)};
 }

@@ -61,7 +61,12 @@ HEADS = [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, cpu_fused.vector_width())]
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q-{h[1]}kv-d{h[2]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
 def test_fused_decode_attention_equals_the_torch_path(op, layout, heads, dtype):
-    seq_lens, query_lens = STEPS[layout]
+    assert_fused_equals_torch(attend, heads, dtype, *STEPS[layout])
+
+
+def assert_fused_equals_torch(attend, heads, dtype, seq_lens, query_lens) -> None:
+    """attend("fused", ...) gives attend("torch", ...)'s output (fp32: to rounding; bf16 and
+    fp16: to their precision) and leaves the caches alike."""
     inputs = step(heads, dtype, seq_lens, query_lens)
     want, want_caches = attend("torch", *inputs, seq_lens, query_lens)
     got, got_caches = attend("fused", *inputs, seq_lens, query_lens)
@@ -101,10 +106,8 @@ BAD_CALLS = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_CALLS)
-def test_a_call_out_of_bounds_is_refused_with_nothing_written(op, case):
-    args = call_args()
-    name, value, message = BAD_CALLS[case]
+def assert_refused_with_nothing_written(op, args: dict, name: str, value: torch.Tensor, message: str) -> None:
+    """op(**args) with args[name] = value raises `message`, and out is as it was."""
     args[name] = value
     if name == "q":
         args["out"] = torch.full(value.shape, 7.0, dtype=value.dtype)
@@ -112,3 +115,8 @@ def test_a_call_out_of_bounds_is_refused_with_nothing_written(op, case):
     with pytest.raises(RuntimeError, match=message):
         op(**args)
     assert torch.equal(args["out"], before)
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_a_call_out_of_bounds_is_refused_with_nothing_written(op, case):
+    assert_refused_with_nothing_written(op, call_args(), *BAD_CALLS[case])

@@ -12,7 +12,13 @@ import torch
 from inference.layers.attention import torch_paged_attention
 from inference.layers.attention_metadata import build_attention_metadata
 from kernels import cpu_fused
-from tests.kernels.test_cpu_attention import BLOCK, HEADS, step
+from tests.kernels.test_cpu_attention import (
+    BLOCK,
+    HEADS,
+    assert_fused_equals_torch,
+    assert_refused_with_nothing_written,
+    step,
+)
 from tests.kernels.test_cpu_fused import HAS_COMPILER
 
 
@@ -44,13 +50,7 @@ STEPS = {  # (seq_lens, query_lens)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q-{h[1]}kv-d{h[2]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
 def test_fused_prefill_attention_equals_the_torch_path(op, layout, heads, dtype):
-    seq_lens, query_lens = STEPS[layout]
-    inputs = step(heads, dtype, seq_lens, query_lens)
-    want, want_caches = attend("torch", *inputs, seq_lens, query_lens)
-    got, got_caches = attend("fused", *inputs, seq_lens, query_lens)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
-    torch.testing.assert_close(got.float(), want.float(), **tol)
-    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True)), "the caches differ"
+    assert_fused_equals_torch(attend, heads, dtype, *STEPS[layout])
 
 
 def test_a_query_never_sees_a_later_position(op):
@@ -98,12 +98,4 @@ BAD_CALLS = {
 
 @pytest.mark.parametrize("case", BAD_CALLS)
 def test_a_call_out_of_bounds_is_refused_with_nothing_written(op, case):
-    args = call_args()
-    name, value, message = BAD_CALLS[case]
-    args[name] = value
-    if name == "q":
-        args["out"] = torch.full(value.shape, 7.0, dtype=value.dtype)
-    before = args["out"].clone()
-    with pytest.raises(RuntimeError, match=message):
-        op(**args)
-    assert torch.equal(args["out"], before)
+    assert_refused_with_nothing_written(op, call_args(), *BAD_CALLS[case])
