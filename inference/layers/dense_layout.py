@@ -15,7 +15,8 @@ is oneDNN's same kernel: bit for bit F.linear's result.
              the token lookup keeps reading)
 
 "auto" times both on the first layer's projections for a decode batch and packs when that is
-clearly faster (SWITCH_FACTOR); only where every shape class runs natively (an fp32 path reads
+clearly faster (SWITCH_FACTOR), or when the matmul plan runs a shape class natively only because
+native was timed on packed weights (matmul_plan.native_needs_packing); only where every shape class runs natively (an fp32 path reads
 the dense weight), the weights are dense bf16/fp16 (not --weights-dtype int8/int4) and this
 torch's oneDNN packs bf16 on this CPU. "onednn" / "plain" forces one (`--dense-layout`, env
 INFERENCE_DENSE_LAYOUT). The choice is the matmul plan's `dense_layout`: logged, in
