@@ -105,7 +105,7 @@ void item(const Shape& s, const T* q, T* out, const T* k_cache, const T* v_cache
   for (int c = 0; c < CH; ++c) lane[c] = static_cast<float>(c);
   for (int64_t p0 = 0; p0 < ctx; p0 += CH) {
     const int n = static_cast<int>(std::min<int64_t>(CH, ctx - p0));
-    load_chunk<DV, CH>(kb, vb, k_cache, v_cache, table, s.block_size, row, h, p0, n);  // past n: zeros, masked below
+    load_chunk<DV, CH>(kb, vb, k_cache, v_cache, table, s.block_size, row, h, p0, n, ctx);  // past n: zeros, masked below
     const vf past = vf{} + static_cast<float>(n);
     for (int64_t g = 0; g < G; ++g) {
       vf q[DV];

@@ -7,6 +7,7 @@
 
 #include "cpu_vec.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -50,8 +51,18 @@ inline void check_blocks(const int64_t* table, int64_t ctx, int64_t block_size, 
 // between positions in a block (Hkv * D).
 template <int DV, int C, typename T>
 inline void load_chunk(float (&kb)[C][DV * V], float (&vb)[C][DV * V], const T* k_cache, const T* v_cache,
-                       const int64_t* table, int64_t block_size, int64_t row, int64_t h, int64_t p0, int n) {
+                       const int64_t* table, int64_t block_size, int64_t row, int64_t h, int64_t p0, int n,
+                       int64_t end) {
   constexpr int D = DV * V;
+  // The next chunk's rows (up to position `end`), asked of memory now: a sequence's blocks lie
+  // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary.
+  for (int64_t p = p0 + C; p < std::min<int64_t>(p0 + 2 * C, end); ++p) {
+    const int64_t at = (table[p / block_size] * block_size + p % block_size) * row + h * D;
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + at) + b);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + at) + b);
+    }
+  }
   for (int c = 0; c < C; ++c) {
     if (c >= n) {
       const vf zero{};

@@ -81,7 +81,7 @@ void tile(const Shape& s, const T* q, T* out, const T* k_cache, const T* v_cache
   alignas(64) float vb[CH][D];
   for (int64_t p0 = 0; p0 <= p_hi; p0 += CH) {
     const int n = static_cast<int>(std::min<int64_t>(CH, p_hi + 1 - p0));
-    load_chunk<DV, CH>(kb, vb, k_cache, v_cache, table, s.block_size, row, h, p0, n);  // past n: zeros, masked below
+    load_chunk<DV, CH>(kb, vb, k_cache, v_cache, table, s.block_size, row, h, p0, n, p_hi + 1);  // past n: zeros, masked below
     vf sc[CH];
     for (int c = 0; c < CH; ++c) sc[c] = vf{};
     for (int d = 0; d < D; ++d) {
