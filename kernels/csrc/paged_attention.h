@@ -45,24 +45,31 @@ inline void check_blocks(const int64_t* table, int64_t ctx, int64_t block_size, 
     TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id out of range");
 }
 
-// Positions p0 .. p0 + n - 1 of kv head h, read through the block table and widened to fp32 into
-// kb / vb [C][DV * V] (C rows; those from n on zeroed: the caller masks them, and zeros keep
-// whatever lies past the context, NaN included, out of the weighted sum). `row`: elements
-// between positions in a block (Hkv * D).
-template <int DV, int C, typename T>
-inline void load_chunk(float (&kb)[C][DV * V], float (&vb)[C][DV * V], const T* k_cache, const T* v_cache,
-                       const int64_t* table, int64_t block_size, int64_t row, int64_t h, int64_t p0, int n,
-                       int64_t end) {
-  constexpr int D = DV * V;
-  // The next chunk's rows (up to position `end`), asked of memory now: a sequence's blocks lie
-  // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary.
-  for (int64_t p = p0 + C; p < std::min<int64_t>(p0 + 2 * C, end); ++p) {
+// Positions p .. end - 1 of kv head h (D elements a row), asked of memory: a sequence's blocks
+// lie anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary.
+template <int D, typename T>
+inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t row,
+                          int64_t h, int64_t p, int64_t end) {
+  for (; p < end; ++p) {
     const int64_t at = (table[p / block_size] * block_size + p % block_size) * row + h * D;
     for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(k_cache + at) + b);
       __builtin_prefetch(reinterpret_cast<const char*>(v_cache + at) + b);
     }
   }
+}
+
+// Positions p0 .. p0 + n - 1 of kv head h, read through the block table and widened to fp32 into
+// kb / vb [C][DV * V] (C rows; those from n on zeroed: the caller masks them, and zeros keep
+// whatever lies past the context, NaN included, out of the weighted sum), the next chunk's rows
+// (up to position `end`) prefetched meanwhile. `row`: elements between positions in a block
+// (Hkv * D).
+template <int DV, int C, typename T>
+inline void load_chunk(float (&kb)[C][DV * V], float (&vb)[C][DV * V], const T* k_cache, const T* v_cache,
+                       const int64_t* table, int64_t block_size, int64_t row, int64_t h, int64_t p0, int n,
+                       int64_t end) {
+  constexpr int D = DV * V;
+  prefetch_rows<D>(k_cache, v_cache, table, block_size, row, h, p0 + C, std::min<int64_t>(p0 + 2 * C, end));
   for (int c = 0; c < C; ++c) {
     if (c >= n) {
       const vf zero{};
