@@ -59,7 +59,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.decode_kernel = decode_kernel  # how decode rows attend (AttentionMetadata.decode_kernel)
-        self.prefill_kernel = prefill_kernel  # how prefill chunks attend (AttentionMetadata.prefill_kernel)
+        self.prefill_kernel = prefill_kernel  # how prefill chunks attend (build_attention_metadata)
         self.lora_slots = lora_slots
         self.kv_caches = kv_caches
         self.block_size = block_size

@@ -75,10 +75,9 @@ class AttentionMetadata:
     # (the C++ paged kernel of kernels/cpu_fused.py, reading the blocks in place): the matmul
     # plan's attention_kernel, measured at start-up (inference/layers/matmul_plan.py).
     decode_kernel: str = "torch"
-    # How prefill chunks attend: "torch" (one SDPA call per chunk, `prefills`) or "fused" (one
-    # call of the C++ kernel for all of them, `prefill_batch`; `prefills` then empty): the
-    # matmul plan's prefill_attention_kernel (inference/layers/attention_plan.py).
-    prefill_kernel: str = "torch"
+    # Where prefill chunks take the fused C++ kernel (build_attention_metadata's prefill_kernel,
+    # the matmul plan's prefill_attention_kernel: inference/layers/attention_plan.py), all of
+    # them for its one call, and `prefills` is empty; None: one SDPA call per chunk (`prefills`).
     prefill_batch: PrefillBatch | None = None
 
     @property
@@ -104,9 +103,9 @@ def build_attention_metadata(
     """Everything the layers need for one step, computed once.
 
     seq_lens[i]: tokens of sequence i once this step's are in; query_lens[i]: how many of them
-    are new this step; block_tables[i]: its blocks, in position order. decode_kernel and
-    prefill_kernel: see AttentionMetadata (the fused kernel pads nothing, so its decode rows
-    form one group).
+    are new this step; block_tables[i]: its blocks, in position order. decode_kernel: see
+    AttentionMetadata (the fused kernel pads nothing, so its decode rows form one group);
+    prefill_kernel "fused": the chunks go to `prefill_batch` (see there), "torch": to `prefills`.
     """
     S = len(seq_lens)
     if S == 0:
@@ -178,7 +177,6 @@ def build_attention_metadata(
         decode_groups=decode_groups,
         prefills=prefills,
         decode_kernel=decode_kernel,
-        prefill_kernel=prefill_kernel,
         prefill_batch=prefill_batch,
     )
 

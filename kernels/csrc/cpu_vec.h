@@ -1,7 +1,7 @@
 // What the CPU kernels (lora_cpu.cpp, attention_cpu.cpp, ...) share: one register of floats as a
 // GCC vector type, lowered by -march=native to AVX-512 (16 floats) or AVX2 (8), and loading V
-// values of any of the model's dtypes into it as fp32; the attention kernels' softmax exp; and the
-// dispatch on those dtypes.
+// values of any of the model's dtypes into it as fp32, and rounding fp32 to bf16 as c10 does; the
+// softmax's exp; and the dispatch on those dtypes.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -49,6 +49,16 @@ inline vf load_v<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is fp32's top
   vf v;
   __builtin_memcpy(&v, &bits, sizeof(vf));
   return v;
+}
+
+// fp32 -> bf16, round to nearest even, NaN stays NaN (as c10::BFloat16 rounds one value)
+inline vh round_bf16(vf v) {
+  vu bits;
+  __builtin_memcpy(&bits, &v, sizeof(vu));
+  vu rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+  vu nan = (vu)(v != v);  // all ones where NaN
+  rounded = (rounded & ~nan) | (0x7fc0u & nan);
+  return __builtin_convertvector(rounded, vh);
 }
 
 // exp(x) for x <= 0 (a score minus the running max), relative error ~2e-7: x = n ln2 + r with

@@ -155,25 +155,13 @@ inline vf silu(vf x) {
   return (x < 0.f ? x * e : x) / (1.f + e);
 }
 
-// x rounded to bf16 (to nearest, ties to even, as c10::BFloat16), as fp32 bits: the low half zero
-inline vu bf16_bits(vf x) {
-  vu b;
-  __builtin_memcpy(&b, &x, sizeof(vf));
-  const vu r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  return x != x ? vu{} + 0x7fc00000u : r;  // NaN stays a (quiet) NaN
-}
-
 template <typename T>
-inline void silu_mul_vec(const T* gate, const T* up, T* out) {  // V elements
-  const vf s = silu(load_v(gate)), u = load_v(up);
-  alignas(64) float r[V];
-  const vf prod = [&] {
-    vf rs[1];
-    for (int j = 0; j < V; ++j) rs[0][j] = rounded<T>(s[j]);
-    return rs[0] * u;
-  }();
-  __builtin_memcpy(r, &prod, sizeof(vf));
-  for (int j = 0; j < V; ++j) out[j] = static_cast<T>(r[j]);
+inline void silu_mul_vec(const T* gate, const T* up, T* out) {  // V elements, each rounded as torch rounds
+  const vf s = silu(load_v(gate));
+  vf s_rounded;
+  for (int j = 0; j < V; ++j) s_rounded[j] = rounded<T>(s[j]);
+  const vf prod = s_rounded * load_v(up);
+  for (int j = 0; j < V; ++j) out[j] = static_cast<T>(prod[j]);
 }
 
 template <>
@@ -184,11 +172,12 @@ inline void silu_mul_vec<float>(const float* gate, const float* up, float* out) 
 
 template <>
 inline void silu_mul_vec<c10::BFloat16>(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out) {
-  const vu s_bits = bf16_bits(silu(load_v(gate)));
+  // silu rounded to bf16 and widened back (a bf16 is fp32's top half), times up, rounded again
+  const vu s_bits = __builtin_convertvector(round_bf16(silu(load_v(gate))), vu) << 16;
   vf s;
   __builtin_memcpy(&s, &s_bits, sizeof(vf));
-  const vh bits = __builtin_convertvector(bf16_bits(s * load_v(up)) >> 16, vh);
-  __builtin_memcpy(out, &bits, sizeof(vh));
+  const vh out_bits = round_bf16(s * load_v(up));
+  __builtin_memcpy(out, &out_bits, sizeof(vh));
 }
 
 template <typename T>

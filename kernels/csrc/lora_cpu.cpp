@@ -59,16 +59,6 @@ inline void add_store<float>(float* o, vf acc) {
   __builtin_memcpy(o, &v, sizeof(vf));
 }
 
-// fp32 -> bf16, round to nearest even, NaN stays NaN (as c10::BFloat16 rounds one value)
-inline vh round_bf16(vf v) {
-  vu bits;
-  __builtin_memcpy(&bits, &v, sizeof(vu));
-  vu rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
-  vu nan = (vu)(v != v);  // all ones where NaN
-  rounded = (rounded & ~nan) | (0x7fc0u & nan);
-  return __builtin_convertvector(rounded, vh);
-}
-
 template <>
 inline void add_store<c10::BFloat16>(c10::BFloat16* o, vf acc) {
   vh out = round_bf16(load_v(o) + acc);
