@@ -8,7 +8,8 @@
     (kernels/csrc/prefill_attention_cpu.cpp, prefill_attention_op(); the torch path calls SDPA
     per chunk);
   - products with int4 / int8 weights on int8 activations (kernels/csrc/quant_cpu.cpp), and a
-    decoder layer's RMSNorm, residual add and RoPE in one call each (kernels/csrc/layer_cpu.cpp):
+    decoder layer's RMSNorm, residual add, RoPE and the MLP's silu(gate) * up in one call each
+    (kernels/csrc/layer_cpu.cpp):
     layer_ops().
 
 The torch path (kernels/lora_ops.add_lora_cpu) spends ~10 small ops per projection: gathers,
@@ -57,7 +58,7 @@ __all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "fused_op", "layer_ops"
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-# the LoRA delta, and the paged decode attention (attention_op) built into the same library
+# every kernel above, built into one library
 SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp",
            _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp"]
 HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "paged_attention.h"]  # what they include: part of the build key too
@@ -123,7 +124,7 @@ def prefill_attention_op() -> Callable[..., None] | None:
 
 def layer_ops():
     """torch.ops.loraplex_cpu where fused_op() has loaded the library, else None; never builds
-    (the per-call check). Its rms_norm, add_rms_norm and rope (kernels/csrc/layer_cpu.cpp) do
+    (the per-call check). Its rms_norm, add_rms_norm, rope and silu_mul (kernels/csrc/layer_cpu.cpp) do
     a decoder layer's small ops in one call each; its q4_linear and q8_linear
     (kernels/csrc/quant_cpu.cpp) multiply quantised weights."""
     return torch.ops.loraplex_cpu if "op" in _state else None
