@@ -20,12 +20,14 @@ checks per call only what changes per call (the activations, the output, the met
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
 
 import torch
+
+from kernels import cpu_fused
 
 __all__ = ["CpuStacks", "cpu_stacks"]
 
@@ -67,6 +69,17 @@ class CpuStacks:
     @cached_property
     def out_features(self) -> int:
         return self.offsets[-1] + self.b_t[-1].shape[2]
+
+    def fused_kernel(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+        """The fused C++ kernel bound to these stacks and slices (cpu_fused.bind_stacks:
+        `kernel(out, x, token_ids, segments)`), made on first use and kept; None while the
+        kernel's library is not loaded."""
+        kernel = self.__dict__.get("_fused_kernel")
+        if kernel is None:
+            kernel = cpu_fused.bind_stacks(self.a_t, self.b_t, self.index, self.adapted[1])
+            if kernel is not None:  # the frozen dataclass's cache, as cached_property keeps one
+                self.__dict__["_fused_kernel"] = kernel
+        return kernel
 
     def with_index(self, index: Sequence[int]) -> CpuStacks:
         """The same stacks adding only the slices `index` (ascending, no repeats, at least one)."""

@@ -53,7 +53,7 @@ from kernels.checks import (
 from kernels.cpu_stacks import CpuStacks, cpu_stacks
 from kernels.metadata import LoRABatchMetadata, PaddedBatch, Segment
 
-__all__ = ["CpuStacks", "add_lora", "add_lora_cpu", "cpu_stacks", "lora_expand", "lora_shrink"]
+__all__ = ["CpuStacks", "add_lora", "add_lora_cpu", "add_lora_cpu_fused", "cpu_stacks", "lora_expand", "lora_shrink"]
 
 
 def add_lora(
@@ -104,6 +104,21 @@ def add_lora_cpu(
         op(out, x, stacks.a_t, stacks.b_t, stacks.index, offsets, meta.lora_token_ids, meta.cpu_segments)
         return
     _add_lora_torch(out, x, None, b_t, meta, offsets, stacks)
+
+
+def add_lora_cpu_fused(out: torch.Tensor, x: torch.Tensor, stacks: CpuStacks, meta: LoRABatchMetadata) -> bool:
+    """add_lora_cpu's fused kernel for a caller that shaped x and out itself (LoRALinear, 120
+    calls a decode step): the kernel bound to the stacks once (CpuStacks.fused_kernel), which
+    checks every argument it reads (a RuntimeError where one does not fit), without the Python
+    checks and the dispatcher's argument parsing (~5 us of a ~20 us call). False, having done
+    nothing, where that kernel cannot serve (its library not loaded, other dtypes): then
+    add_lora_cpu does."""
+    kernel = stacks.fused_kernel()
+    if kernel is None or (x.dtype, stacks.a_t.dtype) not in cpu_fused.DTYPES:
+        return False
+    if meta.has_lora:
+        kernel(out, x, meta.lora_token_ids, meta.cpu_segments)
+    return True
 
 
 def lora_shrink(

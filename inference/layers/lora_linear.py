@@ -37,7 +37,7 @@ import torch
 from inference.layers.linear import Linear, upcasts_to_fp32
 from inference.layers.matmul_plan import linear_fp32
 from kernels.cpu_stacks import CpuStacks, cpu_stacks
-from kernels.lora_ops import add_lora, add_lora_cpu
+from kernels.lora_ops import add_lora, add_lora_cpu, add_lora_cpu_fused
 from kernels.metadata import LoRABatchMetadata
 
 # (a [r, in_features], b [n_s, r] with the scale folded in) for one slice, or None: not adapted
@@ -223,7 +223,8 @@ def _add_delta(
     live: _Live, out: torch.Tensor, x: torch.Tensor, lora_meta: LoRABatchMetadata, kernel: str
 ) -> None:
     a, b, offsets, stacks = live
-    if stacks is not None:  # CPU: the layout add_lora_cpu multiplies fastest, with the plan's kernel
-        add_lora_cpu(out, x, stacks, lora_meta, kernel)
-    else:
+    if stacks is None:
         add_lora(out, x, a, b, lora_meta, offsets)
+    elif kernel != "fused" or not add_lora_cpu_fused(out, x, stacks, lora_meta):
+        # CPU: the layout add_lora_cpu multiplies fastest, with the plan's kernel
+        add_lora_cpu(out, x, stacks, lora_meta, kernel)

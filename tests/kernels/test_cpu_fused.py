@@ -59,7 +59,8 @@ DTYPES = [  # (activations, stacks): what the matmul plan can pair
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("live", [(0, 1, 2), (0, 2)])
-def test_fused_kernel_equals_the_reference(op, layout, x_dtype, w_dtype, live):
+@pytest.mark.parametrize("entry", ["add_lora_cpu", "bound"])
+def test_fused_kernel_equals_the_reference(op, layout, x_dtype, w_dtype, live, entry):
     stacks, a, b, ranks = stacks_with(w_dtype)
     stacks = stacks.with_index(live)
     meta = build_lora_metadata(torch.tensor(LAYOUTS[layout]), ranks)
@@ -67,7 +68,10 @@ def test_fused_kernel_equals_the_reference(op, layout, x_dtype, w_dtype, live):
     x = torch.randn(meta.num_tokens, stacks.in_features, generator=gen).to(x_dtype)
     out = torch.randn(meta.num_tokens, stacks.out_features, generator=gen).to(x_dtype)
     before = out.clone()
-    lora_ops.add_lora_cpu(out, x, stacks, meta, kernel="fused")
+    if entry == "bound":  # LoRALinear's path: the kernel bound to the stacks, no dispatcher
+        assert lora_ops.add_lora_cpu_fused(out, x, stacks, meta)
+    else:
+        lora_ops.add_lora_cpu(out, x, stacks, meta, kernel="fused")
     want = before.float()
     add_lora_ref(want, x.float(), [a[s].float() for s in live], [b[s].float() for s in live], meta,
                  [stacks.offsets[s] for s in live])  # fmt: skip
@@ -119,6 +123,50 @@ def test_fused_kernel_refuses_a_call_that_would_reach_outside_its_tensors(op, ch
     with pytest.raises(RuntimeError, match=message):
         op(**kwargs)
     assert torch.equal(kwargs["out"], before)
+
+
+def test_a_bound_kernel_serves_its_own_stacks_and_slices(op):
+    stacks, _, _, _ = stacks_with(torch.bfloat16)
+    kernel = stacks.fused_kernel()
+    assert kernel is not None and stacks.fused_kernel() is kernel  # bound once, then kept
+    fewer = stacks.with_index((0, 2))
+    assert fewer.fused_kernel() is not kernel  # other slices: a binding of their own
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda k: k | {"x": k["x"][:, :8]}, "a_t"),
+        (lambda k: k | {"x": k["x"][:1]}, r"x \[T, in\] and out \[T, n\] expected"),
+        (lambda k: k | {"out": k["out"][:, :20]}, "slice columns outside out"),
+        (lambda k: k | {"x": k["x"].bfloat16()}, "x and out must share a dtype"),
+        (lambda k: k | {"token_ids": torch.tensor([0, 99])}, "token id out of range"),
+        (lambda k: k | {"segments": torch.tensor([[0, 2, 7, 4]])}, "slot or rank out of range"),
+    ],
+)
+def test_a_bound_kernel_refuses_a_call_that_does_not_fit_its_stacks(op, change, message):
+    stacks, _, _, _ = stacks_with(torch.float32, widths=(32,), in_features=16, ranks=(4,))
+    kwargs = {"out": torch.zeros(2, 32), "x": torch.randn(2, 16), "token_ids": torch.tensor([0, 1]),
+              "segments": torch.tensor([[0, 2, 0, 4]])}  # fmt: skip
+    kwargs = change(kwargs)
+    before = kwargs["out"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        stacks.fused_kernel()(kwargs["out"], kwargs["x"], kwargs["token_ids"], kwargs["segments"])
+    assert torch.equal(kwargs["out"], before)
+
+
+def test_the_bound_path_stands_aside_where_the_kernel_cannot_serve(op, monkeypatch):
+    stacks, _, _, ranks = stacks_with(torch.bfloat16)
+    meta = build_lora_metadata(torch.tensor(LAYOUTS["scattered"]), ranks)
+    out = torch.zeros(meta.num_tokens, stacks.out_features, dtype=torch.float16)
+    x = torch.randn(meta.num_tokens, stacks.in_features).half()
+    assert not lora_ops.add_lora_cpu_fused(out, x, stacks, meta)  # fp16 on bf16: not the kernel's
+    assert not out.any()
+    fresh, _, _, _ = stacks_with(torch.float32)
+    monkeypatch.setattr(cpu_fused, "_state", {"error": "RuntimeError: no C++ compiler (c++) on PATH"})
+    assert fresh.fused_kernel() is None
+    assert not lora_ops.add_lora_cpu_fused(torch.zeros(meta.num_tokens, fresh.out_features),
+                                           torch.randn(meta.num_tokens, fresh.in_features), fresh, meta)
 
 
 def test_without_the_kernel_the_torch_path_serves(monkeypatch):
