@@ -61,7 +61,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # every kernel above, built into one library
 SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp",
            _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp"]
-HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "paged_attention.h"]  # what they include: part of the build key too
+HEADERS = [_CSRC / "bindings.h", _CSRC / "cpu_vec.h", _CSRC / "paged_attention.h"]  # what they include: part of the build key too
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
 # the copy torch already loaded (one OpenMP runtime, torch's thread count).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -115,32 +115,38 @@ def bind_stacks(
 
 
 def attention_op() -> Callable[..., None] | None:
-    """torch.ops.loraplex_cpu.paged_decode_attention where fused_op() has loaded the library,
-    else None; never builds (the per-step check).
+    """The library's paged_decode_attention (layer_ops()) where fused_op() has loaded it, else
+    None; never builds (the per-step check).
 
     op(out [T, Hq, D], q [T, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
        rows [n], block_tables [n, max_blocks], context_lens [n], scale): out[rows[i]] = the
     decode attention of q[rows[i]] over the first context_lens[i] positions of its blocks."""
-    return torch.ops.loraplex_cpu.paged_decode_attention if "op" in _state else None
+    ops = layer_ops()
+    return None if ops is None else ops.paged_decode_attention
 
 
 def prefill_attention_op() -> Callable[..., None] | None:
-    """torch.ops.loraplex_cpu.paged_prefill_attention where fused_op() has loaded the library,
-    else None; never builds (the per-step check).
+    """The library's paged_prefill_attention (layer_ops()) where fused_op() has loaded it, else
+    None; never builds (the per-step check).
 
     op(out [T, Hq, D], q [T, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
        starts [n], query_lens [n], block_tables [n, max_blocks], context_lens [n], scale): rows
     starts[i] .. starts[i] + query_lens[i] of out = the causal attention of chunk i's queries
     over the first context_lens[i] positions of its blocks (its cached prefix, then itself)."""
-    return torch.ops.loraplex_cpu.paged_prefill_attention if "op" in _state else None
+    ops = layer_ops()
+    return None if ops is None else ops.paged_prefill_attention
 
 
 def layer_ops():
-    """torch.ops.loraplex_cpu where fused_op() has loaded the library, else None; never builds
-    (the per-call check). Its rms_norm, add_rms_norm, rope and silu_mul (kernels/csrc/layer_cpu.cpp) do
+    """The library's ops where fused_op() has loaded it, else None; never builds (the per-call
+    check): the functions of torch.ops.loraplex_cpu, with the same arguments. Its rms_norm, add_rms_norm, rope and silu_mul (kernels/csrc/layer_cpu.cpp) do
     a decoder layer's small ops in one call each; its q4_linear and q8_linear
     (kernels/csrc/quant_cpu.cpp) multiply quantised weights."""
-    return torch.ops.loraplex_cpu if "op" in _state else None
+    if "op" not in _state:
+        return None
+    # the library's Python module: its functions are the dispatcher's ops, called without it
+    # (kernels/csrc/bindings.h); torch.ops where the library was loaded without one
+    return _state.get("module") or torch.ops.loraplex_cpu
 
 
 def unavailable_reason() -> str | None:

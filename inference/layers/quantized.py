@@ -110,7 +110,7 @@ class Int8Weight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out], x's dtype
         if self.kernel == FUSED_KERNEL:
-            return torch.ops.loraplex_cpu.q8_linear(x, self.qweight, self.scales32)
+            return cpu_fused.layer_ops().q8_linear(x, self.qweight, self.scales32)
         y = torch.ops.aten._weight_int8pack_mm(_compute(x), self.qweight, self.scales)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
@@ -198,7 +198,7 @@ class Int4Weight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out], x's dtype
         if self.kernel == FUSED_KERNEL:
-            return torch.ops.loraplex_cpu.q4_linear(x, self.qs, self.scales16, self.mins16)
+            return cpu_fused.layer_ops().q4_linear(x, self.qs, self.scales16, self.mins16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             _compute(x), self.packed, self.group, self.scale_and_zero
         )

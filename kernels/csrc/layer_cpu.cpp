@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bindings.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -209,6 +210,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 }  // namespace
+
+// the ops above for the library's Python module (bindings.h)
+void loraplex_bind::add_layer_ops(pybind11::module_& m) {
+  using namespace pybind11::literals;
+  m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a, loraplex_bind::NoGil());
+  m.def("add_rms_norm", &add_rms_norm, "x"_a, "delta"_a, "weight"_a, "eps"_a, loraplex_bind::NoGil());
+  m.def("rope", &rope, "qkv"_a, "cos"_a, "sin"_a, "heads"_a, loraplex_bind::NoGil());
+  m.def("silu_mul", &silu_mul, "gate_up"_a, loraplex_bind::NoGil());
+}
 
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

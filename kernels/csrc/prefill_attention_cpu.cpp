@@ -26,6 +26,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bindings.h"
 #include "cpu_vec.h"
 #include "paged_attention.h"
 
@@ -189,6 +190,13 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
 }
 
 }  // namespace
+
+// the op above for the library's Python module (bindings.h)
+void loraplex_bind::add_prefill_attention_ops(pybind11::module_& m) {
+  using namespace pybind11::literals;
+  m.def("paged_prefill_attention", &paged_prefill_attention, "out"_a, "q"_a, "k_cache"_a, "v_cache"_a, "starts"_a,
+        "query_lens"_a, "block_tables"_a, "context_lens"_a, "scale"_a, loraplex_bind::NoGil());
+}
 
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def(

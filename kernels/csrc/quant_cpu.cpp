@@ -29,6 +29,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bindings.h"
 #include "cpu_vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -320,6 +321,13 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
 }
 
 }  // namespace
+
+// the ops above for the library's Python module (bindings.h)
+void loraplex_bind::add_quant_ops(pybind11::module_& m) {
+  using namespace pybind11::literals;
+  m.def("q4_linear", &q4_linear, "x"_a, "qs"_a, "scales"_a, "mins"_a, loraplex_bind::NoGil());
+  m.def("q8_linear", &q8_linear, "x"_a, "qw"_a, "scales"_a, loraplex_bind::NoGil());
+}
 
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def("q4_linear(Tensor x, Tensor qs, Tensor scales, Tensor mins) -> Tensor");

@@ -7,6 +7,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -167,6 +169,45 @@ def test_the_bound_path_stands_aside_where_the_kernel_cannot_serve(op, monkeypat
     assert fresh.fused_kernel() is None
     assert not lora_ops.add_lora_cpu_fused(torch.zeros(meta.num_tokens, fresh.out_features),
                                            torch.randn(meta.num_tokens, fresh.in_features), fresh, meta)
+
+
+def _runs_beside(call) -> int:
+    """How many times another Python thread got to run while `call()` ran (its middle 60%)."""
+    stamps, stop = [], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    time.sleep(0.02)
+    start = time.perf_counter()
+    call()
+    end = time.perf_counter()
+    stop.set()
+    thread.join()
+    margin = (end - start) * 0.2
+    return sum(start + margin < t < end - margin for t in stamps)
+
+
+def test_the_library_s_python_functions_let_other_threads_run(op, monkeypatch):
+    """A server's threads go on while a step's kernels run (the GIL is released, as torch's own
+    ops release it). Each call runs long (~0.1 s) on one thread, so the other thread gets a
+    core in its middle even on a busy machine; holding the GIL it would get none."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stacks, _, _, ranks = stacks_with(torch.bfloat16, widths=(1024, 1024, 1024), in_features=1024)
+        meta = build_lora_metadata(torch.arange(4096) % len(ranks), ranks)
+        x, out = torch.randn(4096, 1024).bfloat16(), torch.zeros(4096, 3072, dtype=torch.bfloat16)
+        kernel = stacks.fused_kernel()
+        assert _runs_beside(lambda: [kernel(out, x, meta.lora_token_ids, meta.cpu_segments) for _ in range(20)]) > 0
+        ops = cpu_fused.layer_ops()
+        rows, weight = torch.randn(8192, 4096).bfloat16(), torch.ones(4096, dtype=torch.bfloat16)
+        assert _runs_beside(lambda: [ops.rms_norm(rows, weight, 1e-5) for _ in range(2)]) > 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_without_the_kernel_the_torch_path_serves(monkeypatch):
