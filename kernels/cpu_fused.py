@@ -12,6 +12,11 @@
     (kernels/csrc/layer_cpu.cpp):
     layer_ops().
 
+The library is a Python module too (kernels/csrc/bindings.h): the functions these hand out are
+the ops of torch.ops.loraplex_cpu called through pybind11, not torch's dispatcher (its parsing
+of the arguments cost ~1.5-2.5 us of each of a decode step's ~300 calls), and the engine's LoRA
+calls go through stacks bound once (bind_stacks). Every one releases the GIL while it runs.
+
 The torch path (kernels/lora_ops.add_lora_cpu) spends ~10 small ops per projection: gathers,
 one shrink and one expand product per slice, conversions, the adds back into out. Each op costs
 a few microseconds of dispatch and threading whatever its FLOPs, and each reads or writes a
@@ -139,9 +144,11 @@ def prefill_attention_op() -> Callable[..., None] | None:
 
 def layer_ops():
     """The library's ops where fused_op() has loaded it, else None; never builds (the per-call
-    check): the functions of torch.ops.loraplex_cpu, with the same arguments. Its rms_norm, add_rms_norm, rope and silu_mul (kernels/csrc/layer_cpu.cpp) do
-    a decoder layer's small ops in one call each; its q4_linear and q8_linear
-    (kernels/csrc/quant_cpu.cpp) multiply quantised weights."""
+    check): the functions of torch.ops.loraplex_cpu, with the same arguments. Its rms_norm,
+    add_rms_norm, rope and silu_mul (kernels/csrc/layer_cpu.cpp) do a decoder layer's small ops
+    in one call each; its q4_linear and q8_linear (kernels/csrc/quant_cpu.cpp) multiply
+    quantised weights; its paged_decode_attention and paged_prefill_attention: see
+    attention_op() and prefill_attention_op()."""
     if "op" not in _state:
         return None
     # the library's Python module: its functions are the dispatcher's ops, called without it
@@ -161,7 +168,8 @@ def _load() -> Callable[..., None]:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
     start = time.perf_counter()
-    # a Python module too: its BoundStacks (bind_stacks) skip the dispatcher on the hot path
+    # a Python module too (csrc/bindings.h): its functions (layer_ops()) and BoundStacks
+    # (bind_stacks) skip the dispatcher on the hot path
     _state["module"] = cpp_extension.load(
         name=f"loraplex_lora_cpu_{_build_key()}",
         sources=[str(source) for source in SOURCES],
