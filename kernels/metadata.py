@@ -79,9 +79,9 @@ class LoRABatchMetadata:
     segment_ranks: torch.Tensor  # [S] int32
     tile_info: torch.Tensor  # [N, 4] int32: (start, length <= block_m, slot, rank) per tile
     segments: tuple[Segment, ...]  # host copy of the segments, in slot order
-    long_segments: tuple[Segment, ...]  # torch path: segments multiplied one by one
-    padded: PaddedBatch | None  # torch path: the other segments, batched (None: there are none)
     max_rank: int  # largest rank among the segments (0 when no token has an adapter)
+    host_order: torch.Tensor  # [T] long on the host: sorted_token_ids, for the torch path's plan
+    padded_max_len: int  # torch path: segments shorter than this may be batched (0: never)
 
     @property
     def num_segments(self) -> int:
@@ -90,6 +90,29 @@ class LoRABatchMetadata:
     @property
     def num_tiles(self) -> int:
         return self.tile_info.shape[0]
+
+    @property
+    def long_segments(self) -> tuple[Segment, ...]:
+        """Torch path: the segments multiplied one by one."""
+        return self._torch_path_plan[0]
+
+    @property
+    def padded(self) -> PaddedBatch | None:
+        """Torch path: the other segments, batched (None: there are none)."""
+        return self._torch_path_plan[1]
+
+    @cached_property
+    def _torch_path_plan(self) -> tuple[tuple[Segment, ...], PaddedBatch | None]:
+        # planned on first use: the fused CPU kernel and the Triton kernels never ask, and a
+        # decode step's padded batch took ~0.1 ms to build (64 tokens over 8 adapters)
+        short = [seg for seg in self.segments if seg.length < self.padded_max_len]
+        if len(short) < MIN_PADDED_SEGMENTS and all(seg.token_range is not None for seg in short):
+            # One or two contiguous runs (a single stream's decode token, two adapters' few
+            # tokens): multiplied in place through views, they cost fewer calls than gathering,
+            # padding and scattering them back.
+            short = []
+        long = tuple(seg for seg in self.segments if not any(seg is s for s in short))
+        return long, _padded_batch(short, self.host_order, self.max_loras, self.device)
 
     @cached_property
     def cpu_segments(self) -> torch.Tensor:
@@ -140,12 +163,6 @@ def build_lora_metadata(
     device = order_dev.device  # "cuda" -> "cuda:0", so device checks compare like with like
 
     segments = _segments(order, order_dev, counts, ranks.tolist())
-    short = [seg for seg in segments if seg.length < padded_max_len]
-    if len(short) < MIN_PADDED_SEGMENTS and all(seg.token_range is not None for seg in short):
-        # One or two contiguous runs (a single stream's decode token, two adapters' few tokens):
-        # multiplied in place through views, they cost fewer calls than gathering, padding and
-        # scattering them back.
-        short = []
     num_lora_tokens = sum(seg.length for seg in segments)
     sorted_token_ids, seg_table, tile_info = _device_tables(order, segments, block_m, device)
     return LoRABatchMetadata(
@@ -164,9 +181,9 @@ def build_lora_metadata(
         segment_ranks=seg_table[3],
         tile_info=tile_info,
         segments=segments,
-        long_segments=tuple(seg for seg in segments if not any(seg is s for s in short)),
-        padded=_padded_batch(short, order, max_loras, device),
         max_rank=max((seg.rank for seg in segments), default=0),
+        host_order=order,
+        padded_max_len=padded_max_len,
     )
 
 

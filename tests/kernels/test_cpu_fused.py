@@ -191,7 +191,7 @@ def _runs_beside(call) -> int:
     return sum(start + margin < t < end - margin for t in stamps)
 
 
-def test_the_library_s_python_functions_let_other_threads_run(op, monkeypatch):
+def test_the_library_s_python_functions_let_other_threads_run(op):
     """A server's threads go on while a step's kernels run (the GIL is released, as torch's own
     ops release it). Each call runs long (~0.1 s) on one thread, so the other thread gets a
     core in its middle even on a busy machine; holding the GIL it would get none."""
