@@ -12,7 +12,7 @@
     (kernels/csrc/layer_cpu.cpp):
     layer_ops().
 
-The library is a Python module too (kernels/csrc/bindings.h): the functions these hand out are
+The library is a Python module too (kernels/csrc/bindings.cpp): the functions these hand out are
 the ops of torch.ops.loraplex_cpu called through pybind11, not torch's dispatcher (its parsing
 of the arguments cost ~1.5-2.5 us of each of a decode step's ~300 calls), and the engine's LoRA
 calls go through stacks bound once (bind_stacks). Every one releases the GIL while it runs.
@@ -33,7 +33,7 @@ AVX512-BF16 (Zen 4, Sapphire Rapids) bf16 on bf16 runs on vdpbf16ps pair dot pro
 multiply-adds per instruction, no widening of the activations (1.3-1.7x faster with the stacks
 in cache on a 2-core AMD EPYC). So a build serves only the machine it was made on, and the
 cache key includes the CPU's flags. `python -m kernels.cpu_fused`
-builds it (`make run` and `make test` run it; 16 s quiet on 2 cores) into torch's extension cache
+builds it (`make run` and `make test` run it; 16-65 s on 2 cores) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
 if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the
 torch path serves instead.
@@ -65,8 +65,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # every kernel above, built into one library
 SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp",
-           _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp"]
-HEADERS = [_CSRC / "bindings.h", _CSRC / "cpu_vec.h", _CSRC / "paged_attention.h"]  # what they include: part of the build key too
+           _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp", _CSRC / "bindings.cpp"]
+HEADERS = [_CSRC / "ops.h", _CSRC / "cpu_vec.h", _CSRC / "paged_attention.h"]  # what they include: part of the build key too
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
 # the copy torch already loaded (one OpenMP runtime, torch's thread count).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -152,7 +152,7 @@ def layer_ops():
     if "op" not in _state:
         return None
     # the library's Python module: its functions are the dispatcher's ops, called without it
-    # (kernels/csrc/bindings.h); torch.ops where the library was loaded without one
+    # (kernels/csrc/bindings.cpp); torch.ops where the library was loaded without one
     return _state.get("module") or torch.ops.loraplex_cpu
 
 
@@ -168,7 +168,7 @@ def _load() -> Callable[..., None]:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
     start = time.perf_counter()
-    # a Python module too (csrc/bindings.h): its functions (layer_ops()) and BoundStacks
+    # a Python module too (csrc/bindings.cpp): its functions (layer_ops()) and BoundStacks
     # (bind_stacks) skip the dispatcher on the hot path
     _state["module"] = cpp_extension.load(
         name=f"loraplex_lora_cpu_{_build_key()}",

@@ -19,8 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "bindings.h"
 #include "cpu_vec.h"
+#include "ops.h"
 #include "paged_attention.h"
 
 #include <algorithm>
@@ -191,9 +191,12 @@ Shape check(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
                static_cast<float>(scale)};
 }
 
-void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale) {
+}  // namespace
+
+void loraplex_ops::paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache, const at::Tensor& rows,
+                                          const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                          double scale) {
   const Shape s = check(out, q, k_cache, v_cache, rows, block_tables, context_lens, scale);
   switch (q.scalar_type()) {
     case at::kFloat:
@@ -207,18 +210,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   }
 }
 
-}  // namespace
-
-// the op above for the library's Python module (bindings.h)
-void loraplex_bind::add_attention_ops(pybind11::module_& m) {
-  using namespace pybind11::literals;
-  m.def("paged_decode_attention", &paged_decode_attention, "out"_a, "q"_a, "k_cache"_a, "v_cache"_a, "rows"_a,
-        "block_tables"_a, "context_lens"_a, "scale"_a, loraplex_bind::NoGil());
-}
-
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, "
       "Tensor block_tables, Tensor context_lens, float scale) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &loraplex_ops::paged_decode_attention);
 }

@@ -22,8 +22,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "bindings.h"
 #include "cpu_vec.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -81,7 +81,9 @@ void norm_rows(const at::Tensor& src, const at::Tensor& w, at::Tensor& out, doub
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+}  // namespace
+
+at::Tensor loraplex_ops::rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
   const at::Tensor x = x_in.contiguous();
   check_rows(x, w, "rms_norm");
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::result_type(w, x)));
@@ -89,8 +91,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& d_in, const at::Tensor& w,
-                                                double eps) {
+std::tuple<at::Tensor, at::Tensor> loraplex_ops::add_rms_norm(const at::Tensor& x_in, const at::Tensor& d_in,
+                                                              const at::Tensor& w, double eps) {
   const at::Tensor x = x_in.contiguous(), delta = d_in.contiguous();
   check_rows(x, w, "add_rms_norm");
   TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(),
@@ -112,7 +114,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
   return {sum, out};
 }
 
-at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t heads) {
+at::Tensor loraplex_ops::rope(const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                              int64_t heads) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1, "rope: qkv must be [T, H, D] with D contiguous");
   const int64_t T_ = qkv.size(0), D = qkv.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "rope: head size must be even, got ", D);
@@ -147,6 +150,8 @@ at::Tensor rope(const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tenso
   });
   return out;
 }
+
+namespace {
 
 // silu(x) = x / (1 + exp(-x)), with e = exp(-|x|) <= 1 so the exp never overflows:
 // x >= 0: x / (1 + e); x < 0: x * e / (1 + e)
@@ -193,7 +198,9 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   }
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+}  // namespace
+
+at::Tensor loraplex_ops::silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "silu_mul: gate_up must be [T, 2I] with rows contiguous");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
@@ -209,24 +216,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
-
-// the ops above for the library's Python module (bindings.h)
-void loraplex_bind::add_layer_ops(pybind11::module_& m) {
-  using namespace pybind11::literals;
-  m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a, loraplex_bind::NoGil());
-  m.def("add_rms_norm", &add_rms_norm, "x"_a, "delta"_a, "weight"_a, "eps"_a, loraplex_bind::NoGil());
-  m.def("rope", &rope, "qkv"_a, "cos"_a, "sin"_a, "heads"_a, loraplex_bind::NoGil());
-  m.def("silu_mul", &silu_mul, "gate_up"_a, loraplex_bind::NoGil());
-}
-
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &loraplex_ops::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &loraplex_ops::add_rms_norm);
   m.def("rope(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
-  m.impl("rope", c10::DispatchKey::CPU, &rope);
+  m.impl("rope", c10::DispatchKey::CPU, &loraplex_ops::rope);
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
+  m.impl("silu_mul", c10::DispatchKey::CPU, &loraplex_ops::silu_mul);
 }

@@ -21,8 +21,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "bindings.h"
 #include "cpu_vec.h"
+#include "ops.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -432,9 +432,12 @@ Args check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, co
   return g;
 }
 
-void add_lora_fused(at::Tensor out, const at::Tensor& x, const at::Tensor& a_t, std::vector<at::Tensor> b_t,
-                    std::vector<int64_t> slices, std::vector<int64_t> offsets, const at::Tensor& token_ids,
-                    const at::Tensor& segments) {
+}  // namespace
+
+void loraplex_ops::add_lora_fused(at::Tensor out, const at::Tensor& x, const at::Tensor& a_t,
+                                  std::vector<at::Tensor> b_t, std::vector<int64_t> slices,
+                                  std::vector<int64_t> offsets, const at::Tensor& token_ids,
+                                  const at::Tensor& segments) {
   Args g = check(out, x, a_t, b_t, slices, offsets, token_ids, segments);
   const auto xs = x.scalar_type(), ws = a_t.scalar_type();
 #define LORAPLEX_RUN(XT, WT, X, W) \
@@ -449,48 +452,9 @@ void add_lora_fused(at::Tensor out, const at::Tensor& x, const at::Tensor& a_t, 
   TORCH_CHECK(false, "unsupported dtypes: x ", xs, ", stacks ", ws);
 }
 
-// One projection's stacks bound once, for the engine's per-call path from Python
-// (kernels/lora_ops.add_lora_cpu_fused): a call then passes only what changes per call, through
-// pybind11 (bindings.h), not the dispatcher. A one-token call 8.4 -> 2.7 us with add_lora_cpu's
-// Python checks gone too (2-core AMD EPYC, Zen 4); a decode step makes 120 such calls. Every
-// call still runs check() on everything it reads.
-class BoundStacks {
- public:
-  BoundStacks(at::Tensor a_t, std::vector<at::Tensor> b_t, std::vector<int64_t> slices, std::vector<int64_t> offsets)
-      : a_t_(std::move(a_t)), b_t_(std::move(b_t)), slices_(std::move(slices)), offsets_(std::move(offsets)) {}
-
-  void add(at::Tensor out, const at::Tensor& x, const at::Tensor& token_ids, const at::Tensor& segments) const {
-    add_lora_fused(std::move(out), x, a_t_, b_t_, slices_, offsets_, token_ids, segments);
-  }
-
- private:
-  at::Tensor a_t_;
-  std::vector<at::Tensor> b_t_;
-  std::vector<int64_t> slices_, offsets_;
-};
-
-}  // namespace
-
-void loraplex_bind::add_lora_ops(pybind11::module_& m) {
-  using namespace pybind11::literals;
-  pybind11::class_<BoundStacks>(m, "BoundStacks")
-      .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>(),
-           "a_t"_a, "b_t"_a, "slices"_a, "offsets"_a)
-      .def("add", &BoundStacks::add, "out"_a, "x"_a, "token_ids"_a, "segments"_a, loraplex_bind::NoGil());
-}
-
-// the library's Python module: every source's ops (bindings.h)
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  loraplex_bind::add_lora_ops(m);
-  loraplex_bind::add_attention_ops(m);
-  loraplex_bind::add_prefill_attention_ops(m);
-  loraplex_bind::add_layer_ops(m);
-  loraplex_bind::add_quant_ops(m);
-}
-
 TORCH_LIBRARY(loraplex_cpu, m) {
   m.def(
       "add_lora_fused(Tensor(a!) out, Tensor x, Tensor a_t, Tensor[] b_t, int[] slices, int[] offsets, "
       "Tensor token_ids, Tensor segments) -> ()");
-  m.impl("add_lora_fused", c10::DispatchKey::CPU, &add_lora_fused);
+  m.impl("add_lora_fused", c10::DispatchKey::CPU, &loraplex_ops::add_lora_fused);
 }

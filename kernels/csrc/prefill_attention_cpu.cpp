@@ -26,8 +26,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "bindings.h"
 #include "cpu_vec.h"
+#include "ops.h"
 #include "paged_attention.h"
 
 #include <algorithm>
@@ -179,9 +179,12 @@ Shape check(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   return Shape{bs, hkv, hq / hkv, q.stride(0), out.stride(0), nb, static_cast<float>(scale)};
 }
 
-void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
-                             const at::Tensor& v_cache, const at::Tensor& starts, const at::Tensor& query_lens,
-                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+}  // namespace
+
+void loraplex_ops::paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache, const at::Tensor& starts,
+                                           const at::Tensor& query_lens, const at::Tensor& block_tables,
+                                           const at::Tensor& context_lens, double scale) {
   const Shape s = check(out, q, k_cache, v_cache, starts, query_lens, block_tables, context_lens, scale);
   by_float_dtype(q.scalar_type(), "paged_prefill_attention", [&](auto zero) {
     using T = decltype(zero);
@@ -189,18 +192,9 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
   });
 }
 
-}  // namespace
-
-// the op above for the library's Python module (bindings.h)
-void loraplex_bind::add_prefill_attention_ops(pybind11::module_& m) {
-  using namespace pybind11::literals;
-  m.def("paged_prefill_attention", &paged_prefill_attention, "out"_a, "q"_a, "k_cache"_a, "v_cache"_a, "starts"_a,
-        "query_lens"_a, "block_tables"_a, "context_lens"_a, "scale"_a, loraplex_bind::NoGil());
-}
-
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor starts, "
       "Tensor query_lens, Tensor block_tables, Tensor context_lens, float scale) -> ()");
-  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &loraplex_ops::paged_prefill_attention);
 }

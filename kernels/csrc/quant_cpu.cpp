@@ -29,8 +29,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "bindings.h"
 #include "cpu_vec.h"
+#include "ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -278,7 +278,10 @@ void widen(const c10::Half* h, float* f, int64_t n) {
   for (; i < n; ++i) f[i] = static_cast<float>(h[i]);
 }
 
-at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins) {
+}  // namespace
+
+at::Tensor loraplex_ops::q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scales,
+                                   const at::Tensor& mins) {
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs must be contiguous uint8 [out, in/2]");
   const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / QK;
   check_x(x_in, K);
@@ -302,7 +305,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Ten
   });
 }
 
-at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scales) {
+at::Tensor loraplex_ops::q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scales) {
   TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.is_contiguous(), "qw must be contiguous int8 [out, in]");
   const int64_t N = qw.size(0), K = qw.size(1), G = K / QK;
   check_x(x_in, K);
@@ -320,18 +323,9 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
   });
 }
 
-}  // namespace
-
-// the ops above for the library's Python module (bindings.h)
-void loraplex_bind::add_quant_ops(pybind11::module_& m) {
-  using namespace pybind11::literals;
-  m.def("q4_linear", &q4_linear, "x"_a, "qs"_a, "scales"_a, "mins"_a, loraplex_bind::NoGil());
-  m.def("q8_linear", &q8_linear, "x"_a, "qw"_a, "scales"_a, loraplex_bind::NoGil());
-}
-
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def("q4_linear(Tensor x, Tensor qs, Tensor scales, Tensor mins) -> Tensor");
-  m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
+  m.impl("q4_linear", c10::DispatchKey::CPU, &loraplex_ops::q4_linear);
   m.def("q8_linear(Tensor x, Tensor qw, Tensor scales) -> Tensor");
-  m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
+  m.impl("q8_linear", c10::DispatchKey::CPU, &loraplex_ops::q8_linear);
 }
