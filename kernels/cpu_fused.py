@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops", "loaded_op", "prefill_attention_op",
-           "unavailable_reason", "vector_width"]
+__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops", "loaded_op",
+           "prefill_attention_op", "unavailable_reason", "vector_width"]
 
 log = logging.getLogger(__name__)
 

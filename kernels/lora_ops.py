@@ -53,7 +53,9 @@ from kernels.checks import (
 from kernels.cpu_stacks import CpuStacks, cpu_stacks
 from kernels.metadata import LoRABatchMetadata, PaddedBatch, Segment
 
-__all__ = ["CpuStacks", "add_lora", "add_lora_cpu", "add_lora_cpu_fused", "cpu_stacks", "lora_expand", "lora_shrink"]
+__all__ = [
+    "CpuStacks", "add_lora", "add_lora_cpu", "add_lora_cpu_fused", "cpu_stacks", "lora_expand", "lora_shrink",
+]
 
 
 def add_lora(
@@ -96,13 +98,9 @@ def add_lora_cpu(
     and takes these dtypes; "torch" (or no such kernel): one shrink product per segment or
     padded batch for every slice, and one expand per slice."""
     check_cpu_stacks_args(out, x, stacks, meta)
-    if not meta.has_lora:
+    if not meta.has_lora or (kernel == "fused" and add_lora_cpu_fused(out, x, stacks, meta)):
         return
     b_t, offsets = stacks.adapted
-    op = cpu_fused.loaded_op() if kernel == "fused" else None
-    if op is not None and (x.dtype, stacks.a_t.dtype) in cpu_fused.DTYPES:
-        op(out, x, stacks.a_t, stacks.b_t, stacks.index, offsets, meta.lora_token_ids, meta.cpu_segments)
-        return
     _add_lora_torch(out, x, None, b_t, meta, offsets, stacks)
 
 
