@@ -31,7 +31,7 @@ It is built with torch.utils.cpp_extension (g++ and ninja) with -march=native: t
 lowers the kernel's GCC vector types to this CPU's AVX2 or AVX-512, and where the CPU has
 AVX512-BF16 (Zen 4, Sapphire Rapids) bf16 on bf16 runs on vdpbf16ps pair dot products: twice the
 multiply-adds per instruction, no widening of the activations (1.3-1.7x faster with the stacks
-in cache on a 2-core AMD EPYC). So a build serves only the machine it was made on, and the
+in cache on a 2-core AMD EPYC), on stacks kept with their rows in pairs (pairs_bf16()). So a build serves only the machine it was made on, and the
 cache key includes the CPU's flags. `python -m kernels.cpu_fused`
 builds it (`make run` and `make test` run it; 16-65 s on 2 cores) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ATTENTION_DTYPES", "DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops", "loaded_op",
-           "prefill_attention_op", "unavailable_reason", "vector_width"]
+__all__ = ["ATTENTION_DTYPES", "DTYPES", "PAIRED_DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops", "loaded_op",
+           "pairs_bf16", "prefill_attention_op", "unavailable_reason", "vector_width"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ DTYPES = frozenset({
     (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float32), (torch.float16, torch.float16),
 })  # fmt: skip
+# ... and on stacks with their rows paired (kernels/cpu_stacks.py), where pairs_bf16()
+PAIRED_DTYPES = frozenset({(torch.bfloat16, torch.bfloat16)})
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "op": the loaded op, or "error": why there is none
@@ -107,16 +109,24 @@ def loaded_op() -> Callable[..., None] | None:
 
 
 def bind_stacks(
-    a_t: torch.Tensor, b_t: Sequence[torch.Tensor], slices: Sequence[int], offsets: Sequence[int]
+    a_t: torch.Tensor, b_t: Sequence[torch.Tensor], slices: Sequence[int], offsets: Sequence[int],
+    paired: bool = False,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
     """add_lora_fused with its stacks arguments bound once: `bound(out, x, token_ids, segments)`
-    does what `add_lora_fused(out, x, a_t, b_t, slices, offsets, token_ids, segments)` does,
-    checks included, called straight through pybind11 rather than the dispatcher (~0.3 vs ~2.8
-    us a call). None where fused_op() has not loaded the library; never builds."""
+    does what `add_lora_fused(out, x, a_t, b_t, slices, offsets, token_ids, segments, paired)`
+    does, checks included, called straight through pybind11 rather than the dispatcher (~0.3 vs
+    ~2.8 us a call). None where fused_op() has not loaded the library; never builds."""
     module = _state.get("module")
     if module is None:
         return None
-    return module.BoundStacks(a_t, list(b_t), list(slices), list(offsets)).add
+    return module.BoundStacks(a_t, list(b_t), list(slices), list(offsets), paired).add
+
+
+def pairs_bf16() -> bool:
+    """Whether the loaded library takes paired bf16 stacks (kernels/cpu_stacks.py: its build has
+    the AVX512-BF16 path); False where fused_op() has not loaded it; never builds."""
+    module = _state.get("module")
+    return module is not None and module.pairs_bf16()
 
 
 def attention_op() -> Callable[..., None] | None:

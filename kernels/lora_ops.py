@@ -96,10 +96,12 @@ def add_lora_cpu(
     stacks.index, with only the per-call checks (the stacks' layout was checked when they were
     made). kernel "fused": one call of the C++ kernel (kernels/cpu_fused.py) when it is loaded
     and takes these dtypes; "torch" (or no such kernel): one shrink product per segment or
-    padded batch for every slice, and one expand per slice."""
+    padded batch for every slice, and one expand per slice (on an unpaired copy of paired
+    stacks: a fallback, they are paired for the fused kernel)."""
     check_cpu_stacks_args(out, x, stacks, meta)
     if not meta.has_lora or (kernel == "fused" and add_lora_cpu_fused(out, x, stacks, meta)):
         return
+    stacks = stacks.unpaired()
     b_t, offsets = stacks.adapted
     _add_lora_torch(out, x, None, b_t, meta, offsets, stacks)
 
@@ -109,10 +111,10 @@ def add_lora_cpu_fused(out: torch.Tensor, x: torch.Tensor, stacks: CpuStacks, me
     calls a decode step): the kernel bound to the stacks once (CpuStacks.fused_kernel), which
     checks every argument it reads (a RuntimeError where one does not fit), without the Python
     checks and the dispatcher's argument parsing (~5 us of a ~20 us call). False, having done
-    nothing, where that kernel cannot serve (its library not loaded, other dtypes): then
-    add_lora_cpu does."""
+    nothing, where that kernel cannot serve (its library not loaded, other dtypes; paired stacks
+    take bf16 x alone): then add_lora_cpu does."""
     kernel = stacks.fused_kernel()
-    if kernel is None or (x.dtype, stacks.a_t.dtype) not in cpu_fused.DTYPES:
+    if kernel is None or (x.dtype, stacks.a_t.dtype) not in (cpu_fused.PAIRED_DTYPES if stacks.paired else cpu_fused.DTYPES):
         return False
     if meta.has_lora:
         kernel(out, x, meta.lora_token_ids, meta.cpu_segments)

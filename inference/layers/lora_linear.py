@@ -16,6 +16,9 @@ in one rank-major tensor and each slice's Bᵀ contiguous,
 so one shrink reads x once for every slice of a fused projection (q/k/v, gate/up) and no
 product takes a transposed operand. The stacks' dtype is the plan's LoRA dtype
 (fp32 where this CPU multiplies fp32 faster: converted once when a slot fills, never per step).
+Where the plan runs the fused kernel on bf16 stacks and this CPU's build has its AVX512-BF16
+path, the stacks keep their rows in pairs as that path multiplies them (CpuStacks.paired): then
+lora_a / lora_b are 4-D views, and `slice_rows` reads a slot's rows back as copies.
 
 Until `create_slots` runs (the engine does when LoRA is enabled) there are no stacks and it
 is a plain Linear. Filling and clearing slots is the LoRA slot manager's job
@@ -35,8 +38,8 @@ from itertools import accumulate
 import torch
 
 from inference.layers.linear import Linear, upcasts_to_fp32
-from inference.layers.matmul_plan import linear_fp32
-from kernels.cpu_stacks import CpuStacks, cpu_stacks
+from inference.layers.matmul_plan import FUSED_KERNEL, linear_fp32
+from kernels.cpu_stacks import CpuStacks, cpu_stacks, pairs_rows
 from kernels.lora_ops import add_lora, add_lora_cpu, add_lora_cpu_fused
 from kernels.metadata import LoRABatchMetadata
 
@@ -80,8 +83,9 @@ class LoRALinear(Linear):
         """Preallocate zeroed stacks for `max_loras` adapters of rank up to `max_rank`, in `dtype`
         (the LoRA compute dtype)."""
         if device.type == "cpu":
+            paired = self.plan.lora_kernel == FUSED_KERNEL and pairs_rows(dtype, self.in_features, max_rank)
             self._cpu_stacks, self.lora_a, self.lora_b = cpu_stacks(
-                max_loras, max_rank, self.in_features, self.output_sizes, dtype
+                max_loras, max_rank, self.in_features, self.output_sizes, dtype, paired
             )
         else:  # the Triton kernels take one contiguous stack per slice
             self._cpu_stacks = None
@@ -102,20 +106,23 @@ class LoRALinear(Linear):
         if len(weights) != len(self.output_sizes):
             raise ValueError(f"weights: {len(weights)} entries for {len(self.output_sizes)} slices")
         for i, w in enumerate(weights):
-            if w is None:
+            if self._cpu_stacks is not None:  # either of its layouts (see CpuStacks.write_slice)
+                self._cpu_stacks.write_slice(i, slot, *(w or (None, None)))
+            elif w is None:
                 self.lora_a[i][slot].zero_()
                 self.lora_b[i][slot].zero_()
+            else:  # each element written once: the adapter's rows, then zeros past its rank
+                a, b = w
+                r = a.shape[0]
+                self.lora_a[i][slot, :r].copy_(a, non_blocking=True)  # [r, in]
+                self.lora_b[i][slot, :, :r].copy_(b, non_blocking=True)  # [n_s, r]
+                if r < self.lora_a[i].shape[1]:
+                    self.lora_a[i][slot, r:].zero_()
+                    self.lora_b[i][slot, :, r:].zero_()
+            if w is None:
                 self._filled[i].discard(slot)
-                continue
-            a, b = w
-            r = a.shape[0]
-            # each element written once: the adapter's rows, then zeros past its rank
-            self.lora_a[i][slot, :r].copy_(a, non_blocking=True)  # [r, in]
-            self.lora_b[i][slot, :, :r].copy_(b, non_blocking=True)  # [n_s, r]
-            if r < self.lora_a[i].shape[1]:
-                self.lora_a[i][slot, r:].zero_()
-                self.lora_b[i][slot, :, r:].zero_()
-            self._filled[i].add(slot)
+            else:
+                self._filled[i].add(slot)
         self._refresh()
 
     def clear_slot(self, slot: int, *, zero: bool = True) -> None:
@@ -154,8 +161,21 @@ class LoRALinear(Linear):
         if stacks is None or not 1 <= rank <= stacks.max_rank:
             return None
         n = stacks.num_slices
-        a_t = copy(stacks.a_t[slot, :, : rank * n], dtype)  # [in, rank·S], rank-major
-        return [(a_t[:, s::n].T, copy(stacks.b_t[s][slot, :rank], dtype).T) for s in range(n)]
+        a_t = copy(stacks.slot_a_t(slot, rank), dtype)  # [in, rank·S], rank-major
+        return [(a_t[:, s::n].T, copy(stacks.slot_b_t(s, slot, rank), dtype).T) for s in range(n)]
+
+    @property
+    def rows_are_views(self) -> bool:
+        """Whether `slice_rows` hands out views of the stacks (not where they pair their rows)."""
+        return self._cpu_stacks is None or not self._cpu_stacks.paired
+
+    def slice_rows(self, i: int, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slice i's rows in `slot` at `rank`: (A [rank, in], B [n_s, rank]) in the stacks' dtype,
+        views of the stacks (rows_are_views) or copies."""
+        stacks = self._cpu_stacks
+        if stacks is None or not stacks.paired:
+            return self.lora_a[i][slot, :rank], self.lora_b[i][slot, :, :rank]
+        return stacks.slot_a_t(slot, rank)[:, i :: stacks.num_slices].T, stacks.slot_b_t(i, slot, rank).T
 
     def _refresh(self) -> None:
         live = [i for i, filled in enumerate(self._filled) if filled]

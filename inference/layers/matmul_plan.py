@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from inference.layers.onednn_weight import OneDnnWeight, packing_unavailable
 from kernels import cpu_fused
-from kernels.cpu_stacks import CpuStacks, cpu_stacks
+from kernels.cpu_stacks import CpuStacks, cpu_stacks, pairs_rows
 from kernels.lora_ops import add_lora_cpu
 from kernels.metadata import build_lora_metadata
 
@@ -311,7 +311,9 @@ def _lora_delta(
     prefill = build_lora_metadata(torch.zeros(256, dtype=torch.long), torch.full((slots,), rank))
     calls = []
     for in_features, sizes in projections:
-        stacks = [_race_stacks(slots, rank, in_features, sizes, stack_dtype) for _ in range(max(1, copies))]
+        # in the layout the engine's stacks take for this kernel (LoRALinear.create_slots)
+        paired = kernel == FUSED_KERNEL and pairs_rows(stack_dtype, in_features, rank)
+        stacks = [_race_stacks(slots, rank, in_features, sizes, stack_dtype, paired) for _ in range(max(1, copies))]
         for meta, used in ((decode, stacks), (prefill, stacks[:1])):
             x = torch.randn(meta.num_tokens, in_features).to(x_dtype)
             out = torch.zeros(meta.num_tokens, sum(sizes), dtype=x_dtype)
@@ -319,8 +321,10 @@ def _lora_delta(
     return lambda: [add_lora_cpu(*call) for call in calls]
 
 
-def _race_stacks(slots: int, rank: int, in_features: int, sizes: list[int], dtype: torch.dtype) -> CpuStacks:
-    stacks, _, _ = cpu_stacks(slots, rank, in_features, sizes, dtype)
+def _race_stacks(
+    slots: int, rank: int, in_features: int, sizes: list[int], dtype: torch.dtype, paired: bool
+) -> CpuStacks:
+    stacks, _, _ = cpu_stacks(slots, rank, in_features, sizes, dtype, paired)
     stacks.a_t.normal_(std=0.01)
     for bt in stacks.b_t:
         bt.normal_(std=0.01)

@@ -88,20 +88,24 @@ class LoRASlots:
 
     # -- the host tier sharing slot memory (CPU) ----------------------------------------------
     def slot_weights(self, slot: int, key: tuple[int, str], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of module `key` = (layer, PEFT module)'s rows in `slot`, at `rank`:
-        (A [rank, in_features], B [n_s, rank]), in the stacks' dtype."""
+        """Module `key` = (layer, PEFT module)'s rows in `slot`, at `rank`: (A [rank,
+        in_features], B [n_s, rank]), in the stacks' dtype: views of the stacks, or copies where
+        they pair their rows (LoRALinear.slice_rows)."""
         projection, i = self._where[key]
-        return projection.lora_a[i][slot, :rank], projection.lora_b[i][slot, :, :rank]
+        return projection.slice_rows(i, slot, rank)
 
     def share(self, slot: int, adapter: LoRAAdapter) -> None:
         """After `activate(slot, adapter)`: free the adapter's own A/B memory, in place (every
         holder of the adapter object sees it). Stacks in the adapter's dtype: its tensors become
         views of its slot rows (same values). Stacks in another dtype (fp32 compute for a bf16
-        adapter): they become one-element placeholders of their shape, not to be read until
-        `unshare`; nothing reads a resident adapter's host tensors (the slot is what runs)."""
+        adapter), or with their rows paired (no view shows them as [rank, in]): they become
+        one-element placeholders of their shape, not to be read until `unshare`; nothing reads
+        a resident adapter's host tensors (the slot is what runs)."""
         for key, w in adapter.weights.items():
-            a, b = self.slot_weights(slot, key, w.rank)
-            if a.dtype == w.a.dtype and b.dtype == w.b.dtype:
+            projection, i = self._where[key]
+            a, b = projection.lora_a[i], projection.lora_b[i]
+            if projection.rows_are_views and a.dtype == w.a.dtype and b.dtype == w.b.dtype:
+                a, b = self.slot_weights(slot, key, w.rank)
                 w.a.set_(a)  # [r, in]
                 w.b.set_(b)  # [out, r], strided (the stack is max_rank wide)
             else:

@@ -15,6 +15,13 @@
 // (at::parallel_for). The vector types are GCC's, lowered by -march=native to this CPU's
 // AVX-512 or AVX2 (or whatever it has). Where the CPU has AVX512-BF16, bf16 activations on bf16
 // stacks take the vdpbf16ps path instead (item_dp, below): same loops, bf16 pair dot products.
+// Stacks made for that path keep their rows paired (`paired`, kernels/cpu_stacks.py):
+//
+//   a_t  [L, in/2, 2*R*S]      pair row k: rows 2k and 2k+1 of a_t above, interleaved
+//   b_t  S x [L, R/2, 2*n_s]   (element 2c + p of pair row k is row 2k+p's column c)
+//
+// so a step of a pass loads 16 columns' pairs as they lie, one 512-bit load, where unpaired rows
+// take two 256-bit loads, an insert and a permute.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -161,9 +168,12 @@ void expand(O* const* orows, const float* h, int64_t hcols, int64_t S, int64_t s
   }
 }
 
+// lda: the columns of a_t's rows (R*S); widths: each added slice's columns. Paired stacks have
+// the same slot pitches (in * lda, max_rank * width) as unpaired ones.
 struct Args {
   int64_t in, x_pitch, out_pitch, lda, max_rank, num_slices;
   std::vector<int64_t> slices, offsets, widths;
+  bool paired;
 };
 
 template <int M, typename X, typename W>
@@ -226,17 +236,32 @@ inline __mmask16 cols_mask(int64_t cols_left) {
   return cols_left >= DP ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << cols_left) - 1);
 }
 
+// The mask of a paired row's 32 bf16 for the columns of column mask m: both of each pair, or
+// (ODD: an odd row count's last row, whose partner is past the rank) the first alone
+template <bool ODD>
+inline __mmask32 pair_mask(__mmask16 m) {
+  const uint32_t both = static_cast<uint32_t>(_pdep_u32(m, 0x55555555u)) * 3u;
+  return static_cast<__mmask32>(ODD ? both & 0x55555555u : both);
+}
+
 // acc[t][c] += src_t[k] * w[k, ...] + src_t[k+1] * w[k+1, ...] for the NB column vectors at c0
-// (masks m): one step of a pass. PAIR false: row k alone, paired with zero (an odd row count's
-// last row).
-template <int M, int NB, bool PAIR>
+// (masks m): one step of a pass (k even). PAIR false: row k alone, paired with zero (an odd row
+// count's last row). PAIRED: w's rows are paired (ldw: the columns of one row; a pair row holds
+// 2*ldw), so rows k and k+1 of 16 columns are one load.
+template <int M, int NB, bool PAIR, bool PAIRED>
 __attribute__((always_inline)) inline void dp_step(__m512 (&acc)[M][NB], const c10::BFloat16* const* src,
                                                    int64_t k, int64_t rows, const c10::BFloat16* w, int64_t ldw,
                                                    int64_t c0, const __mmask16 (&m)[NB], __m512i order) {
-  prefetch_ahead(w, k, rows, ldw, c0 + NB * DP, NB * DP, 2);
   __m512i wp[NB];
-  for (int c = 0; c < NB; ++c)
-    wp[c] = pair_rows<PAIR>(w + k * ldw + c0 + c * DP, w + (k + 1) * ldw + c0 + c * DP, m[c], order);
+  if constexpr (PAIRED) {
+    prefetch_ahead(w, k / 2, (rows + 1) / 2, 2 * ldw, 2 * (c0 + NB * DP), 2 * NB * DP, 1);
+    for (int c = 0; c < NB; ++c)  // pair row k/2 starts at (k/2) * 2*ldw = k*ldw
+      wp[c] = _mm512_maskz_loadu_epi16(pair_mask<!PAIR>(m[c]), w + k * ldw + 2 * (c0 + c * DP));
+  } else {
+    prefetch_ahead(w, k, rows, ldw, c0 + NB * DP, NB * DP, 2);
+    for (int c = 0; c < NB; ++c)
+      wp[c] = pair_rows<PAIR>(w + k * ldw + c0 + c * DP, w + (k + 1) * ldw + c0 + c * DP, m[c], order);
+  }
   for (int t = 0; t < M; ++t) {
     const __m512i xp = broadcast_pair(src[t] + k, PAIR);
     for (int c = 0; c < NB; ++c) acc[t][c] = _mm512_dpbf16_ps(acc[t][c], (__m512bh)xp, (__m512bh)wp[c]);
@@ -252,7 +277,7 @@ __attribute__((always_inline)) inline void dp_step(__m512 (&acc)[M][NB], const c
 // registers), and the loops ran store-bound at about half the dot products' rate. Without them
 // (2-core AMD EPYC, Zen 4, one decoder block's deltas): a 1024-token prefill over 4 adapters
 // 3.05-3.09 -> 2.09-2.15 ms, 64 decode tokens over 8 adapters 0.25-0.29 -> 0.18-0.23 ms.
-template <int M, int NB, typename Store>
+template <int M, int NB, bool PAIRED, typename Store>
 inline void dp_pass(const c10::BFloat16* const* src, int64_t rows, const c10::BFloat16* w, int64_t ldw, int64_t c0,
                     int64_t cols, __m512i order, Store store) {
   __mmask16 m[NB];
@@ -261,8 +286,8 @@ inline void dp_pass(const c10::BFloat16* const* src, int64_t rows, const c10::BF
   for (int t = 0; t < M; ++t)
     for (int c = 0; c < NB; ++c) acc[t][c] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 1 < rows; k += 2) dp_step<M, NB, true>(acc, src, k, rows, w, ldw, c0, m, order);
-  if (k < rows) dp_step<M, NB, false>(acc, src, k, rows, w, ldw, c0, m, order);
+  for (; k + 1 < rows; k += 2) dp_step<M, NB, true, PAIRED>(acc, src, k, rows, w, ldw, c0, m, order);
+  if (k < rows) dp_step<M, NB, false, PAIRED>(acc, src, k, rows, w, ldw, c0, m, order);
   alignas(64) float sums[M][NB][DP];
   for (int t = 0; t < M; ++t)
     for (int c = 0; c < NB; ++c) _mm512_store_ps(sums[t][c], acc[t][c]);
@@ -270,32 +295,33 @@ inline void dp_pass(const c10::BFloat16* const* src, int64_t rows, const c10::BF
     for (int c = 0; c < NB; ++c) store(t, c0 + c * DP, _mm512_load_ps(sums[t][c]), m[c]);
 }
 
-// Every output column of w (rows x cols, rows ldw apart) in passes of up to 3 vectors: M x 3
-// accumulators, 3 weight pairs and a broadcast fit AVX-512's 32 registers.
+// Every output column of w (rows x cols, rows ldw apart; PAIRED: in pairs of rows 2*ldw apart) in
+// passes of up to 3 vectors: M x 3 accumulators, 3 weight pairs and a broadcast fit AVX-512's 32
+// registers.
 constexpr int64_t PASS = 3 * DP;
-template <int M, typename Store>
+template <int M, bool PAIRED, typename Store>
 inline void dp_columns(const c10::BFloat16* const* src, int64_t rows, const c10::BFloat16* w, int64_t ldw,
                        int64_t cols, __m512i order, Store store) {
   for (int64_t c0 = 0; c0 < cols; c0 += PASS) {
     const int64_t left = cols - c0;
     if (left > 2 * DP)
-      dp_pass<M, 3>(src, rows, w, ldw, c0, cols, order, store);
+      dp_pass<M, 3, PAIRED>(src, rows, w, ldw, c0, cols, order, store);
     else if (left > DP)
-      dp_pass<M, 2>(src, rows, w, ldw, c0, cols, order, store);
+      dp_pass<M, 2, PAIRED>(src, rows, w, ldw, c0, cols, order, store);
     else
-      dp_pass<M, 1>(src, rows, w, ldw, c0, cols, order, store);
+      dp_pass<M, 1, PAIRED>(src, rows, w, ldw, c0, cols, order, store);
   }
 }
 
 // h[t, c] = bf16(x_t . a[:, c]) for c < cols (h rows `cols` apart): shrink() rounded to bf16
 // as it leaves the registers, as torch's and PEFT's bf16 products round it
-template <int M>
+template <int M, bool PAIRED>
 void shrink_dp(const c10::BFloat16* const* xrows, int64_t in, const c10::BFloat16* a, int64_t lda, int64_t cols,
                c10::BFloat16* h, __m512i order) {
   const auto store = [&](int t, int64_t c, __m512 acc, __mmask16 m) {
     _mm256_mask_storeu_epi16(h + t * cols + c, m, (__m256i)_mm512_cvtneps_pbh(acc));
   };
-  dp_columns<M>(xrows, in, a, lda, cols, order, store);
+  dp_columns<M, PAIRED>(xrows, in, a, lda, cols, order, store);
 }
 
 // o[j] = bf16(o[j] + acc[j]) for the 16 columns of mask m (a prefix): vcvtneps2bf16 rounds to
@@ -307,16 +333,16 @@ inline void add_store_dp(c10::BFloat16* o, __m512 acc, __mmask16 m) {
 }
 
 // o_t[j] += sum_r hb_t[r] * b[r, j] for j < n (b's rows n apart); hb_t: the slice's h, bf16
-template <int M>
+template <int M, bool PAIRED>
 void expand_dp(c10::BFloat16* const* orows, const c10::BFloat16* const* hb, int64_t rank, const c10::BFloat16* b,
                int64_t n, __m512i order) {
   const auto store = [&](int t, int64_t j, __m512 acc, __mmask16 m) { add_store_dp(orows[t] + j, acc, m); };
-  dp_columns<M>(hb, rank, b, n, n, order, store);
+  dp_columns<M, PAIRED>(hb, rank, b, n, n, order, store);
 }
 
 // item() for bf16 on bf16. hb: scratch for M rows of h in bf16 [M, rank*S], then one slice's
 // values made adjacent [M, rank] (h is rank-major: slice s of rank r is column r*S + s)
-template <int M>
+template <int M, bool PAIRED>
 void item_dp(const Args& g, const c10::BFloat16* x, c10::BFloat16* out, const int64_t* ids, const c10::BFloat16* a_slot,
              const std::vector<const c10::BFloat16*>& b_slot, int64_t rank, c10::BFloat16* hb) {
   static const __m512i order = pair_order();
@@ -331,7 +357,7 @@ void item_dp(const Args& g, const c10::BFloat16* x, c10::BFloat16* out, const in
     orows[t] = out + ids[t] * g.out_pitch;
     hrows[t] = S == 1 ? h + t * cols : slice_h + t * rank;
   }
-  shrink_dp<M>(xrows, g.in, a_slot, g.lda, cols, h, order);
+  shrink_dp<M, PAIRED>(xrows, g.in, a_slot, g.lda, cols, h, order);
   for (size_t i = 0; i < g.slices.size(); ++i) {
     const int64_t s = g.slices[i];
     if (S > 1)
@@ -339,7 +365,7 @@ void item_dp(const Args& g, const c10::BFloat16* x, c10::BFloat16* out, const in
         for (int64_t r = 0; r < rank; ++r) slice_h[t * rank + r] = h[t * cols + r * S + s];
     c10::BFloat16* o[M];
     for (int t = 0; t < M; ++t) o[t] = orows[t] + g.offsets[i];
-    expand_dp<M>(o, hrows, rank, b_slot[i], g.widths[i], order);
+    expand_dp<M, PAIRED>(o, hrows, rank, b_slot[i], g.widths[i], order);
   }
 }
 #endif
@@ -372,9 +398,12 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
 #ifdef LORAPLEX_DPBF16
 #define LORAPLEX_ITEM(K)                                                              \
   case K:                                                                             \
-    if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) \
-      item_dp<K>(g, xp, op, item_ids, a_slot, b_slot, rank, hb.data());               \
-    else                                                                              \
+    if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) { \
+      if (g.paired)                                                                     \
+        item_dp<K, true>(g, xp, op, item_ids, a_slot, b_slot, rank, hb.data());         \
+      else                                                                              \
+        item_dp<K, false>(g, xp, op, item_ids, a_slot, b_slot, rank, hb.data());        \
+    } else                                                                              \
       item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data());                   \
     break;
 #else
@@ -395,24 +424,33 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
 // from reading or writing out of bounds).
 Args check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std::vector<at::Tensor>& b_t,
            const std::vector<int64_t>& slices, const std::vector<int64_t>& offsets, const at::Tensor& token_ids,
-           const at::Tensor& segments) {
+           const at::Tensor& segments, bool paired) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && a_t.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "x [T, in] and out [T, n] expected");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out rows must be contiguous");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out must share a dtype");
-  TORCH_CHECK(a_t.dim() == 3 && a_t.is_contiguous() && a_t.size(1) == x.size(1), "a_t [L, in, R*S] contiguous expected");
+  const int64_t P = paired ? 2 : 1;  // rows per stored row
+  if (paired)
+    TORCH_CHECK(loraplex_ops::pairs_bf16() && x.scalar_type() == at::kBFloat16 && a_t.scalar_type() == at::kBFloat16,
+                "paired stacks take bf16 activations on bf16 stacks, on a CPU with AVX512-BF16");
+  TORCH_CHECK(a_t.dim() == 3 && a_t.is_contiguous() && a_t.size(1) * P == x.size(1),
+              paired ? "a_t [L, in/2, 2*R*S] contiguous expected" : "a_t [L, in, R*S] contiguous expected");
   const int64_t S = static_cast<int64_t>(b_t.size());
-  TORCH_CHECK(S >= 1 && a_t.size(2) % S == 0, "a_t's columns must be max_rank * len(b_t)");
-  Args g{x.size(1), x.stride(0), out.stride(0), a_t.size(2), a_t.size(2) / S, S, slices, offsets, {}};
+  TORCH_CHECK(S >= 1 && a_t.size(2) % (S * P) == 0, "a_t's columns must be max_rank * len(b_t)", paired ? " * 2" : "");
+  const int64_t lda = a_t.size(2) / P;
+  Args g{x.size(1), x.stride(0), out.stride(0), lda, lda / S, S, slices, offsets, {}, paired};
+  TORCH_CHECK(g.max_rank % P == 0, "paired stacks need an even max_rank");
   for (const auto& b : b_t) {
     TORCH_CHECK(b.dim() == 3 && b.is_contiguous() && b.scalar_type() == a_t.scalar_type() &&
-                    b.size(0) == a_t.size(0) && b.size(1) == g.max_rank && b.device().is_cpu(),
-                "each b_t must be [L, max_rank, n_s], contiguous, in a_t's dtype");
+                    b.size(0) == a_t.size(0) && b.size(1) * P == g.max_rank && b.size(2) % P == 0 &&
+                    b.device().is_cpu(),
+                paired ? "each b_t must be [L, max_rank/2, 2*n_s], contiguous, in a_t's dtype"
+                       : "each b_t must be [L, max_rank, n_s], contiguous, in a_t's dtype");
   }
   TORCH_CHECK(slices.size() == offsets.size() && !slices.empty(), "one offset per slice");
   for (size_t i = 0; i < slices.size(); ++i) {
     TORCH_CHECK(slices[i] >= 0 && slices[i] < S, "slice index out of range");
-    g.widths.push_back(b_t[slices[i]].size(2));
+    g.widths.push_back(b_t[slices[i]].size(2) / P);
     TORCH_CHECK(offsets[i] >= 0 && offsets[i] + g.widths[i] <= out.size(1), "slice columns outside out");
   }
   TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && token_ids.is_contiguous(),
@@ -437,8 +475,8 @@ Args check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, co
 void loraplex_ops::add_lora_fused(at::Tensor out, const at::Tensor& x, const at::Tensor& a_t,
                                   std::vector<at::Tensor> b_t, std::vector<int64_t> slices,
                                   std::vector<int64_t> offsets, const at::Tensor& token_ids,
-                                  const at::Tensor& segments) {
-  Args g = check(out, x, a_t, b_t, slices, offsets, token_ids, segments);
+                                  const at::Tensor& segments, bool paired) {
+  Args g = check(out, x, a_t, b_t, slices, offsets, token_ids, segments, paired);
   const auto xs = x.scalar_type(), ws = a_t.scalar_type();
 #define LORAPLEX_RUN(XT, WT, X, W) \
   if (xs == XT && ws == WT) return run<X, W>(out, x, a_t, b_t, std::move(g), token_ids, segments);
@@ -452,9 +490,17 @@ void loraplex_ops::add_lora_fused(at::Tensor out, const at::Tensor& x, const at:
   TORCH_CHECK(false, "unsupported dtypes: x ", xs, ", stacks ", ws);
 }
 
+bool loraplex_ops::pairs_bf16() {
+#ifdef LORAPLEX_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(loraplex_cpu, m) {
   m.def(
       "add_lora_fused(Tensor(a!) out, Tensor x, Tensor a_t, Tensor[] b_t, int[] slices, int[] offsets, "
-      "Tensor token_ids, Tensor segments) -> ()");
+      "Tensor token_ids, Tensor segments, bool paired=False) -> ()");
   m.impl("add_lora_fused", c10::DispatchKey::CPU, &loraplex_ops::add_lora_fused);
 }

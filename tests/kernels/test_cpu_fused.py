@@ -29,18 +29,25 @@ def op():
     return op
 
 
-def stacks_with(weights_dtype, widths=(40, 24, 17), in_features=64, ranks=(8, 16, 3, 16), seed=0):
-    """CpuStacks of random adapters (zero beyond each slot's rank) and the plain stacks they hold."""
+def stacks_with(weights_dtype, widths=(40, 24, 17), in_features=64, ranks=(8, 16, 3, 16), seed=0, paired=False):
+    """CpuStacks of random adapters (zero beyond each slot's rank) and the plain stacks they hold:
+    A_s [slots, max_rank, in], B_s [slots, n_s, max_rank] per slice."""
     gen = torch.Generator().manual_seed(seed)
     max_rank = max(ranks)
-    stacks, a_views, b_views = lora_ops.cpu_stacks(len(ranks), max_rank, in_features, list(widths), weights_dtype)
-    for a, b in zip(a_views, b_views, strict=True):
+    stacks, _, _ = lora_ops.cpu_stacks(len(ranks), max_rank, in_features, list(widths), weights_dtype, paired)
+    plain_a = [torch.zeros(len(ranks), max_rank, in_features, dtype=weights_dtype) for _ in widths]
+    plain_b = [torch.zeros(len(ranks), n, max_rank, dtype=weights_dtype) for n in widths]
+    for s, n in enumerate(widths):
         for slot, r in enumerate(ranks):
-            a[slot, :r] = torch.randn(r, in_features, generator=gen) / in_features**0.5
-            b[slot, :, :r] = torch.randn(b.shape[1], r, generator=gen) / r**0.5
-    plain_a = [a.contiguous() for a in a_views]
-    plain_b = [b.contiguous() for b in b_views]
+            plain_a[s][slot, :r] = torch.randn(r, in_features, generator=gen) / in_features**0.5
+            plain_b[s][slot, :, :r] = torch.randn(n, r, generator=gen) / r**0.5
+            stacks.write_slice(s, slot, plain_a[s][slot, :r], plain_b[s][slot, :, :r])
     return stacks, plain_a, plain_b, torch.tensor(ranks)
+
+
+def needs_pairs(op):
+    if not cpu_fused.pairs_bf16():
+        pytest.skip("this CPU's build has no AVX512-BF16 path: stacks are never paired")
 
 
 LAYOUTS = {
@@ -83,6 +90,71 @@ def test_fused_kernel_equals_the_reference(op, layout, x_dtype, w_dtype, live, e
     assert torch.equal(out[no_adapter], before[no_adapter]), "a base-only row changed"
     skipped = [c for s in set(range(3)) - set(live) for c in range(stacks.offsets[s], stacks.offsets[s] + b[s].shape[1])]
     assert torch.equal(out[:, skipped], before[:, skipped]), "a slice outside index changed"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("live", [(0, 1, 2), (1,)])
+@pytest.mark.parametrize("entry", ["add_lora_cpu", "bound"])
+def test_paired_stacks_give_what_unpaired_ones_give_bit_for_bit(op, layout, live, entry):
+    """The same dot products in the same order, whichever layout the rows lie in: odd ranks (3,
+    whose last pair holds a zero), a width past the last whole vector (17), a slice subset."""
+    needs_pairs(op)
+    outs = []
+    for paired in (False, True):
+        stacks, _, _, ranks = stacks_with(torch.bfloat16, ranks=(8, 16, 3, 7), paired=paired)
+        stacks = stacks.with_index(live)
+        meta = build_lora_metadata(torch.tensor(LAYOUTS[layout]), ranks)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(meta.num_tokens, stacks.in_features, generator=gen).bfloat16()
+        out = torch.randn(meta.num_tokens, stacks.out_features, generator=gen).bfloat16()
+        if entry == "bound":
+            assert lora_ops.add_lora_cpu_fused(out, x, stacks, meta)
+        else:
+            lora_ops.add_lora_cpu(out, x, stacks, meta, kernel="fused")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_torch_path_serves_paired_stacks_through_an_unpaired_copy(x_dtype):
+    """Where the fused kernel cannot take paired stacks (fp32 activations, the torch kernel
+    forced), the torch path multiplies an unpaired copy: the same delta, the stacks unchanged."""
+    stacks, a, b, ranks = stacks_with(torch.bfloat16, ranks=(8, 16, 3, 16), paired=True)
+    held = [stacks.a_t.clone(), *(t.clone() for t in stacks.b_t)]
+    meta = build_lora_metadata(torch.tensor(LAYOUTS["prefill chunk and decode"]), ranks)
+    x = torch.randn(meta.num_tokens, stacks.in_features).to(x_dtype)
+    got = torch.zeros(meta.num_tokens, stacks.out_features, dtype=x_dtype)
+    if x_dtype == torch.float32:
+        assert not lora_ops.add_lora_cpu_fused(got, x, stacks, meta)
+    lora_ops.add_lora_cpu(got, x, stacks, meta, kernel="fused" if x_dtype == torch.float32 else "torch")
+    want = torch.zeros(got.shape)
+    add_lora_ref(want, x.float(), [t.float() for t in a], [t.float() for t in b], meta)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    assert all(torch.equal(t, h) for t, h in zip([stacks.a_t, *stacks.b_t], held, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda k: k | {"x": k["x"].float(), "out": k["out"].float()}, "paired stacks take bf16 activations"),
+        (lambda k: k | {"paired": False}, "a_t"),  # paired rows read as unpaired: refused, not misread
+        (lambda k: k | {"b_t": [k["b_t"][0][:, :, :63]]}, "each b_t must be"),
+        (lambda k: k | {"a_t": k["a_t"][:, :, :6].contiguous()}, "even max_rank"),
+    ],
+)
+def test_fused_kernel_refuses_paired_stacks_it_cannot_read(op, change, message):
+    needs_pairs(op)
+    stacks, _, _, _ = stacks_with(torch.bfloat16, widths=(32,), in_features=16, ranks=(4,), paired=True)
+    kwargs = {
+        "out": torch.zeros(2, 32, dtype=torch.bfloat16), "x": torch.randn(2, 16).bfloat16(), "a_t": stacks.a_t,
+        "b_t": list(stacks.b_t), "slices": [0], "offsets": [0], "token_ids": torch.tensor([0, 1]),
+        "segments": torch.tensor([[0, 2, 0, 4]]), "paired": True,
+    }  # fmt: skip
+    kwargs = change(kwargs)
+    before = kwargs["out"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        op(**kwargs)
+    assert torch.equal(kwargs["out"], before)
 
 
 def test_fused_kernel_rounds_a_bf16_row_once_and_keeps_nan(op):
@@ -255,6 +327,14 @@ want = out.float()
 op(out, x, stacks.a_t, list(stacks.b_t), [0, 1, 2], list(stacks.offsets), meta.lora_token_ids, meta.cpu_segments)
 add_lora_ref(want, x.float(), [t.float() for t in a], [t.float() for t in b], meta)
 torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1e-2)
+paired = lora_ops.cpu_stacks(3, 16, 40, [24, 8, 17], torch.bfloat16, paired=True)[0]
+try:  # this build has no AVX512-BF16 path: paired stacks are refused, not misread
+    op(out, x, paired.a_t, list(paired.b_t), [0, 1, 2], list(paired.offsets), meta.lora_token_ids,
+       meta.cpu_segments, paired=True)
+except RuntimeError as exc:
+    assert "AVX512-BF16" in str(exc), exc
+else:
+    raise AssertionError("paired stacks taken by a build without AVX512-BF16")
 
 # the paged decode attention of the same build (8-float vectors) against the torch path
 from inference.layers.attention import torch_paged_attention

@@ -166,3 +166,32 @@ def test_wrong_slice_counts_are_refused_by_name():
     layer = make_layer(torch.float32)
     with pytest.raises(ValueError, match="weights"):
         layer.set_slot(0, [None, None])
+
+
+def test_with_the_fused_kernel_on_bf16_stacks_the_rows_are_paired_and_compute_the_same():
+    """Where this CPU's build pairs bf16 rows (AVX512-BF16), a layer planned for the fused kernel
+    keeps its stacks paired; it adds what an unpaired layer adds, bit for bit, and hands its rows
+    back as copies (no view shows a paired row as [rank, in])."""
+    if cpu_fused.fused_op() is None or not cpu_fused.pairs_bf16():
+        pytest.skip("this CPU's build has no AVX512-BF16 path: stacks are never paired")
+    layers = []
+    for kernel in ("torch", "fused"):
+        layer = LoRALinear(IN, SIZES, slice_names=("q_proj", "k_proj", "v_proj")).to(torch.bfloat16)
+        layer.set_plan(replace(forced_plan(NATIVE, torch.bfloat16), lora_kernel=kernel))
+        layer.create_slots(MAX_LORAS, MAX_RANK, torch.bfloat16, torch.device("cpu"))
+        torch.manual_seed(2)
+        layer.weight.data.normal_(0, 0.2)
+        layer.set_slot(0, [random_slice(3, 16, torch.bfloat16), None, random_slice(3, 8, torch.bfloat16)])
+        layer.set_slot(2, [random_slice(8, n, torch.bfloat16) for n in SIZES])
+        layers.append(layer)
+    unpaired, paired = layers
+    assert paired.rows_are_views is False and unpaired.rows_are_views is True
+    assert paired.lora_nbytes == unpaired.lora_nbytes
+    for i in range(3):
+        for slot, rank in ((0, 3), (2, 8)):
+            got, want = paired.slice_rows(i, slot, rank), unpaired.slice_rows(i, slot, rank)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    x = torch.randn(9, IN).to(torch.bfloat16)
+    meta = build_lora_metadata(torch.tensor([2, -1, 0, 0, 2, -1, 0, 2, 2]), torch.tensor([3, 0, 8]))
+    unpaired.set_plan(replace(unpaired.plan, lora_kernel="fused"))  # the same kernel on either layout
+    assert torch.equal(paired(x, meta), unpaired(x, meta))

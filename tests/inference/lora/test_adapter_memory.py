@@ -13,6 +13,7 @@ import gc
 import shutil
 import threading
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ import torch
 from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
+from inference.layers.linear import apply_plan
+from inference.layers.matmul_plan import native_plan
 from inference.lora import adapter as adapter_module
 from inference.lora import host_memory
 from inference.lora import manager as manager_module
@@ -30,6 +33,7 @@ from inference.lora.request import LoRARequest
 from inference.lora.slots import LoRASlots
 from inference.models.config import LlamaConfig
 from inference.models.llama import LlamaForCausalLM
+from kernels import cpu_fused
 from protocol.adapter_format import WEIGHTS_FILE
 from tests.inference.lora.peft_adapters import (
     BASE_DIR,
@@ -299,16 +303,28 @@ def root_all(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("targets", ["q, v and down at rank 4", "all seven, mixed ranks"])
 @pytest.mark.parametrize(
-    ("adapter_dtype", "stack_dtype"),
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
-    ids=["fp32", "bf16", "bf16-in-fp32-stacks"],
+    ("adapter_dtype", "stack_dtype", "kernel"),
+    [
+        (torch.float32, torch.float32, "torch"),
+        (torch.bfloat16, torch.bfloat16, "torch"),
+        (torch.bfloat16, torch.float32, "torch"),
+        (torch.bfloat16, torch.bfloat16, "fused"),  # stacks paired where this CPU's build pairs rows
+    ],
+    ids=["fp32", "bf16", "bf16-in-fp32-stacks", "bf16-fused"],
 )
 def test_slot_sharing_frees_the_host_copy_and_gives_back_the_same_values(
-    request: pytest.FixtureRequest, targets: str, adapter_dtype: torch.dtype, stack_dtype: torch.dtype
+    request: pytest.FixtureRequest, targets: str, adapter_dtype: torch.dtype, stack_dtype: torch.dtype, kernel: str
 ) -> None:
     root = request.getfixturevalue("root" if targets.startswith("q, v") else "root_all")
     config = tiny_config()
-    slots = LoRASlots(LlamaForCausalLM(config), max_loras=2, max_rank=8, dtype=stack_dtype, device=torch.device("cpu"))
+    model = LlamaForCausalLM(config)
+    if kernel == "fused":
+        if cpu_fused.fused_op() is None:
+            pytest.skip(f"the fused kernel cannot be built here: {cpu_fused.unavailable_reason()}")
+        apply_plan(model, replace(native_plan(stack_dtype), lora_kernel=kernel))
+    slots = LoRASlots(model, max_loras=2, max_rank=8, dtype=stack_dtype, device=torch.device("cpu"))
+    paired = kernel == "fused" and cpu_fused.pairs_bf16()
+    assert all(projection.rows_are_views is not paired for _, projection in slots.projections)
     adapter = load_adapter(root / "a", "a", config, max_lora_rank=8, dtype=adapter_dtype)
     original = {key: (w.a.clone(), w.b.clone()) for key, w in adapter.weights.items()}
     slots.activate(1, adapter)
