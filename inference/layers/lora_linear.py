@@ -154,28 +154,40 @@ class LoRALinear(Linear):
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every slice's rows of `slot` at `rank`, copied out in `dtype` by `copy`: per slice
         (A [rank, in], B [n_s, rank]), views of one copy of the CPU stacks' slot (one contiguous
-        pass for A and one per slice for B, not one strided copy per slice). None where that
-        copy would hold more than those views show (not on the CPU, or `rank` beyond the
-        stacks')."""
+        pass for A and one per slice for B, not one strided copy per slice; paired stacks:
+        slice by slice, copy_slice). None where that copy would hold more than those views show
+        (not on the CPU, or `rank` beyond the stacks')."""
         stacks = self._cpu_stacks
         if stacks is None or not 1 <= rank <= stacks.max_rank:
             return None
         n = stacks.num_slices
-        a_t = copy(stacks.slot_a_t(slot, rank), dtype)  # [in, rank·S], rank-major
-        return [(a_t[:, s::n].T, copy(stacks.slot_b_t(s, slot, rank), dtype).T) for s in range(n)]
+        if stacks.paired:  # no view shows a paired row as [rank, in]: slice by slice
+            return [self.copy_slice(s, slot, rank, dtype, copy) for s in range(n)]
+        a_t = copy(stacks.a_t[slot, :, : rank * n], dtype)  # [in, rank·S], rank-major
+        return [(a_t[:, s::n].T, copy(stacks.b_t[s][slot, :rank], dtype).T) for s in range(n)]
 
     @property
     def rows_are_views(self) -> bool:
         """Whether `slice_rows` hands out views of the stacks (not where they pair their rows)."""
         return self._cpu_stacks is None or not self._cpu_stacks.paired
 
+    def copy_slice(
+        self, i: int, slot: int, rank: int, dtype: torch.dtype, copy: CopyOut
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slice i's rows of `slot` at `rank`, (A [rank, in], B [n_s, rank]), copied out in `dtype`
+        by `copy`: one copy each, paired bf16 rows at an even rank too (copied as int32 pairs)."""
+        stacks = self._cpu_stacks
+        if stacks is not None and stacks.paired and dtype == torch.bfloat16 and rank % 2 == 0:
+            return tuple(copy(t, torch.int32).view(dtype) for t in stacks.slice_pairs(i, slot, rank))
+        a, b = self.slice_rows(i, slot, rank)  # paired: copies already (an odd rank, another dtype)
+        return copy(a, dtype), copy(b, dtype)
+
     def slice_rows(self, i: int, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slice i's rows in `slot` at `rank`: (A [rank, in], B [n_s, rank]) in the stacks' dtype,
         views of the stacks (rows_are_views) or copies."""
-        stacks = self._cpu_stacks
-        if stacks is None or not stacks.paired:
-            return self.lora_a[i][slot, :rank], self.lora_b[i][slot, :, :rank]
-        return stacks.slot_a_t(slot, rank)[:, i :: stacks.num_slices].T, stacks.slot_b_t(i, slot, rank).T
+        if self._cpu_stacks is not None:
+            return self._cpu_stacks.slice_rows(i, slot, rank)
+        return self.lora_a[i][slot, :rank], self.lora_b[i][slot, :, :rank]
 
     def _refresh(self) -> None:
         live = [i for i, filled in enumerate(self._filled) if filled]

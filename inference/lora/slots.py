@@ -139,8 +139,7 @@ class LoRASlots:
                 if whole is not None:
                     a, b = whole[i]
                 else:
-                    a, b = self.slot_weights(slot, (layer_idx, projection.slice_names[i]), w.rank)
-                    a, b = arena.copy(a, w.a.dtype), arena.copy(b, w.b.dtype)
+                    a, b = projection.copy_slice(i, slot, w.rank, adapter.dtype, arena.copy)
                 w.a.set_(a)  # [r, in]
                 w.b.set_(b)  # [n_s, r]
 

@@ -27,18 +27,41 @@ def test_a_slot_reads_back_what_it_was_written_with_zero_past_its_rank(paired, r
     weights = _adapter(rank, 40, seed=9)
     for s, (a, b) in enumerate(weights):
         stacks.write_slice(s, 1, a, b)
-    a_t = stacks.slot_a_t(1, 16)  # [in, 16·S], rank-major
-    assert a_t.shape == (40, 16 * 3)
     for s, (a, b) in enumerate(weights):
-        assert torch.equal(a_t[:, s::3][:, :rank].T, a.bfloat16())
-        assert not a_t[:, s::3][:, rank:].any()
-        b_t = stacks.slot_b_t(s, 1, 16)  # [16, n_s]
-        assert torch.equal(b_t[:rank].T, b.bfloat16()) and not b_t[rank:].any()
-        assert torch.equal(stacks.slot_b_t(s, 1, rank), b.bfloat16().T)
-    assert torch.equal(stacks.slot_a_t(1, rank), a_t[:, : rank * 3])
-    # the other slots are untouched
-    for s, (a, _) in enumerate(_adapter(16, 40, seed=2)):
-        assert torch.equal(stacks.slot_a_t(2, 16)[:, s::3].T, a.bfloat16())
+        got_a, got_b = stacks.slice_rows(s, 1, rank)  # [rank, in], [n_s, rank]
+        assert torch.equal(got_a, a.bfloat16()) and torch.equal(got_b, b.bfloat16())
+        whole_a, whole_b = stacks.slice_rows(s, 1, 16)  # up to max_rank: zero past rank
+        assert torch.equal(whole_a[:rank], got_a) and not whole_a[rank:].any()
+        assert torch.equal(whole_b[:, :rank], got_b) and not whole_b[:, rank:].any()
+    for s, (a, b) in enumerate(_adapter(16, 40, seed=2)):  # the other slots are untouched
+        assert torch.equal(stacks.slice_rows(s, 2, 16)[0], a.bfloat16())
+        assert torch.equal(stacks.slice_rows(s, 2, 16)[1], b.bfloat16())
+
+
+def test_a_paired_slot_takes_rows_of_any_dtype_and_layout():
+    """An fp32 adapter, and bf16 rows that are strided views at an odd offset: the same values
+    land as from contiguous bf16 rows."""
+    stacks, _, _ = cpu_stacks(2, 8, 40, SIZES, torch.bfloat16, paired=True)
+    weights = _adapter(5, 40, seed=3)
+    wide = torch.zeros(5, 81, dtype=torch.bfloat16)  # rows 81 apart
+    wide[:, 1:41] = weights[0][0]
+    stacks.write_slice(0, 0, wide[:, 1:41], weights[0][1])
+    stacks.write_slice(1, 0, *weights[1])  # fp32
+    for s in (0, 1):
+        a, b = stacks.slice_rows(s, 0, 5)
+        assert torch.equal(a, weights[s][0].bfloat16()) and torch.equal(b, weights[s][1].bfloat16())
+
+
+def test_paired_rows_at_an_even_rank_copy_out_as_int32_pairs():
+    stacks, _, _ = cpu_stacks(2, 8, 40, SIZES, torch.bfloat16, paired=True)
+    for s, (a, b) in enumerate(_adapter(6, 40, seed=4)):
+        stacks.write_slice(s, 1, a, b)
+        a_pairs, b_pairs = stacks.slice_pairs(s, 1, 6)
+        assert a_pairs.dtype == torch.int32 and (a_pairs.shape, b_pairs.shape) == ((6, 20), (SIZES[s], 3))
+        assert torch.equal(a_pairs.clone(memory_format=torch.contiguous_format).view(torch.bfloat16), a.bfloat16())
+        assert torch.equal(b_pairs.clone(memory_format=torch.contiguous_format).view(torch.bfloat16), b.bfloat16())
+    with pytest.raises(ValueError, match="even rank"):
+        stacks.slice_pairs(0, 1, 5)
 
 
 def test_paired_stacks_hold_the_rows_unpaired_ones_hold():
@@ -57,9 +80,13 @@ def test_paired_stacks_hold_the_rows_unpaired_ones_hold():
     assert plain.unpaired() is plain
     # rows 2k and 2k+1 of Aᵀ interleaved: the pair row the kernel loads as one vector
     assert torch.equal(paired.a_t[1, 3, 0::2], plain.a_t[1, 6]) and torch.equal(paired.a_t[1, 3, 1::2], plain.a_t[1, 7])
+    for s in range(3):
+        for slot, rank in ((0, 5), (1, 8)):
+            got, want = paired.slice_rows(s, slot, rank), plain.slice_rows(s, slot, rank)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     # a slice left out is zero in either layout
     paired.write_slice(1, 0, None, None)
-    assert not paired.slot_b_t(1, 0, 8).any() and not paired.slot_a_t(0, 8)[:, 1::3].any()
+    assert not any(t.any() for t in paired.slice_rows(1, 0, 8))
 
 
 @pytest.mark.parametrize(
