@@ -31,8 +31,9 @@ It is built with torch.utils.cpp_extension (g++ and ninja) with -march=native: t
 lowers the kernel's GCC vector types to this CPU's AVX2 or AVX-512, and where the CPU has
 AVX512-BF16 (Zen 4, Sapphire Rapids) bf16 on bf16 runs on vdpbf16ps pair dot products: twice the
 multiply-adds per instruction, no widening of the activations (1.3-1.7x faster with the stacks
-in cache on a 2-core AMD EPYC), on stacks kept with their rows in pairs (pairs_bf16()). So a build serves only the machine it was made on, and the
-cache key includes the CPU's flags. `python -m kernels.cpu_fused`
+in cache on a 2-core AMD EPYC), on stacks that keep their rows in pairs for it (pairs_bf16(),
+kernels/cpu_stacks.py). So a build serves only the machine it was made on, and the cache key
+includes the CPU's flags. `python -m kernels.cpu_fused`
 builds it (`make run` and `make test` run it; 16-65 s on 2 cores) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
 if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the
@@ -57,8 +58,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ATTENTION_DTYPES", "DTYPES", "PAIRED_DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops", "loaded_op",
-           "pairs_bf16", "prefill_attention_op", "unavailable_reason", "vector_width"]
+__all__ = ["ATTENTION_DTYPES", "DTYPES", "PAIRED_DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops",
+           "loaded_op", "pairs_bf16", "prefill_attention_op", "unavailable_reason", "vector_width"]
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,11 @@ library pairs_bf16()) keep the same rows two by two, interleaved, as that path m
     a_t  [max_loras, in/2, 2·max_rank·S]     element 2c + p of pair row k: row 2k + p, column c
     b_t  S x [max_loras, max_rank/2, 2·n_s]  of the layout above
 
-so the kernel loads a pair of rows as one vector (15-25% faster per projection, 2-core AMD EPYC,
-Zen 4). Those are no strided views of the kernels' API stacks: the per-slice views are 4-D
-([max_loras, max_rank, in/2, 2], [max_loras, n_s, max_rank/2, 2]), `write_slice` fills a slot
-of either layout, `slice_rows` reads one back, and the torch path multiplies an unpaired copy (`unpaired()`; it never serves paired stacks unless the fused kernel cannot).
+so the kernel loads a pair of rows as one vector (a projection's delta 4-15% faster, 2-core AMD
+EPYC, Zen 4: kernels/csrc/lora_cpu.cpp). They are no strided views of the kernels' API stacks:
+the per-slice views are 4-D ([max_loras, max_rank, in/2, 2], [max_loras, n_s, max_rank/2, 2]),
+`write_slice` fills a slot of either layout, `slice_rows` reads one back, and the torch path
+multiplies an unpaired copy (`unpaired()`: only where the fused kernel cannot serve them).
 
 The layout is checked once, when the stacks are made; kernels.lora_ops.add_lora_cpu then
 checks per call only what changes per call (the activations, the output, the metadata).

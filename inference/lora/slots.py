@@ -103,8 +103,7 @@ class LoRASlots:
         a resident adapter's host tensors (the slot is what runs)."""
         for key, w in adapter.weights.items():
             projection, i = self._where[key]
-            a, b = projection.lora_a[i], projection.lora_b[i]
-            if projection.rows_are_views and a.dtype == w.a.dtype and b.dtype == w.b.dtype:
+            if projection.rows_are_views and projection.lora_a[i].dtype == w.a.dtype == w.b.dtype:
                 a, b = self.slot_weights(slot, key, w.rank)
                 w.a.set_(a)  # [r, in]
                 w.b.set_(b)  # [out, r], strided (the stack is max_rank wide)

@@ -81,13 +81,16 @@ inline void add_store<c10::BFloat16>(c10::BFloat16* o, vf acc) {
 // 8.1-8.8 ms a step, fp32 13.5-14.0 -> 11.6-12.2 ms; in the engine's mixed-adapter benchmark the
 // kernel's share 0.95 -> 0.59 s. With the stacks already in cache it costs 10-15% (a 64-token
 // prefill: unchanged in the engine). 8 and 16 rows ahead measured alike; 32 and 64 less well.
+// Paired stacks' steps take a pair row each: they ask PREFETCH_ROWS / 2 pair rows ahead, the
+// same rows (16 ahead: 4.0-4.6 ms a step in the measure above on a 2-core Zen 4 where 32 ahead
+// took 3.8-5.9, the VM's noise).
 constexpr int64_t PREFETCH_ROWS = 16;
 
 template <typename W>
 inline void prefetch_ahead(const W* w, int64_t k, int64_t rows, int64_t ldw, int64_t next_c0, int64_t width,
-                           int step_rows) {
+                           int step_rows, int64_t ahead = PREFETCH_ROWS) {
   // in integers: the address may lie past the stacks (a prefetch never faults)
-  const int64_t at = k + PREFETCH_ROWS + 1 < rows ? (k + PREFETCH_ROWS) * ldw + next_c0 - width : k * ldw + next_c0;
+  const int64_t at = k + ahead + 1 < rows ? (k + ahead) * ldw + next_c0 - width : k * ldw + next_c0;
   const uintptr_t base = reinterpret_cast<uintptr_t>(w) + static_cast<uintptr_t>(at) * sizeof(W);
   const uintptr_t span = static_cast<uintptr_t>(width) * sizeof(W);  // a row's part in this pass
   for (int i = 0; i < step_rows; ++i) {  // row k (+ ahead), and k + 1 where a step takes two
@@ -257,7 +260,7 @@ __attribute__((always_inline)) inline void dp_step(__m512 (&acc)[M][NB], const c
                                                    int64_t c0, const __mmask16 (&m)[NB], __m512i order) {
   __m512i wp[NB];
   if constexpr (PAIRED) {
-    prefetch_ahead(w, k / 2, (rows + 1) / 2, 2 * ldw, 2 * (c0 + NB * DP), 2 * NB * DP, 1);
+    prefetch_ahead(w, k / 2, (rows + 1) / 2, 2 * ldw, 2 * (c0 + NB * DP), 2 * NB * DP, 1, PREFETCH_ROWS / 2);
     for (int c = 0; c < NB; ++c)  // pair row k/2 starts at (k/2) * 2*ldw = k*ldw
       wp[c] = _mm512_maskz_loadu_epi16(pair_mask<!PAIR>(m[c]), w + k * ldw + 2 * (c0 + c * DP));
   } else {

@@ -144,17 +144,24 @@ def test_the_torch_path_serves_paired_stacks_through_an_unpaired_copy(x_dtype):
 )
 def test_fused_kernel_refuses_paired_stacks_it_cannot_read(op, change, message):
     needs_pairs(op)
-    stacks, _, _, _ = stacks_with(torch.bfloat16, widths=(32,), in_features=16, ranks=(4,), paired=True)
-    kwargs = {
-        "out": torch.zeros(2, 32, dtype=torch.bfloat16), "x": torch.randn(2, 16).bfloat16(), "a_t": stacks.a_t,
+    assert_refused(op, change(one_slot_call(torch.bfloat16, paired=True)), message)
+
+
+def one_slot_call(dtype, paired=False):
+    """add_lora_fused's arguments for two tokens on one rank-4 slot: in 16, one slice of 32."""
+    stacks, _, _, _ = stacks_with(dtype, widths=(32,), in_features=16, ranks=(4,), paired=paired)
+    return {
+        "out": torch.zeros(2, 32, dtype=dtype), "x": torch.randn(2, 16).to(dtype), "a_t": stacks.a_t,
         "b_t": list(stacks.b_t), "slices": [0], "offsets": [0], "token_ids": torch.tensor([0, 1]),
-        "segments": torch.tensor([[0, 2, 0, 4]]), "paired": True,
+        "segments": torch.tensor([[0, 2, 0, 4]]), "paired": paired,
     }  # fmt: skip
-    kwargs = change(kwargs)
+
+
+def assert_refused(op, kwargs, message):
     before = kwargs["out"].clone()
     with pytest.raises(RuntimeError, match=message):
         op(**kwargs)
-    assert torch.equal(kwargs["out"], before)
+    assert torch.equal(kwargs["out"], before), "a refused call wrote to out"
 
 
 def test_fused_kernel_rounds_a_bf16_row_once_and_keeps_nan(op):
@@ -186,17 +193,7 @@ def test_fused_kernel_rounds_a_bf16_row_once_and_keeps_nan(op):
     ],
 )
 def test_fused_kernel_refuses_a_call_that_would_reach_outside_its_tensors(op, change, message):
-    stacks, _, _, _ = stacks_with(torch.float32, widths=(32,), in_features=16, ranks=(4,))
-    kwargs = {
-        "out": torch.zeros(2, 32), "x": torch.randn(2, 16), "a_t": stacks.a_t, "b_t": list(stacks.b_t),
-        "slices": [0], "offsets": [0], "token_ids": torch.tensor([0, 1]),
-        "segments": torch.tensor([[0, 2, 0, 4]]),
-    }  # fmt: skip
-    kwargs = change(kwargs)
-    before = kwargs["out"].clone()
-    with pytest.raises(RuntimeError, match=message):
-        op(**kwargs)
-    assert torch.equal(kwargs["out"], before)
+    assert_refused(op, change(one_slot_call(torch.float32)), message)
 
 
 def test_a_bound_kernel_serves_its_own_stacks_and_slices(op):
