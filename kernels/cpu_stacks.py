@@ -122,7 +122,8 @@ class CpuStacks:
         a_pairs[:, :r].copy_(_as_pairs(a).T)  # [in/2, r]
         a_pairs[:, r:].zero_()
         half = (r + 1) // 2  # B's pairs this rank touches; an odd rank's last pairs with a zero
-        b_pairs[:half].copy_(_as_pairs(F.pad(b, (0, r % 2)) if r % 2 else b).T)  # [half, n_s]
+        # copied in the source's order (n_s rows of `half` pairs): torch's copy ran ~2x faster so
+        b_pairs[:half].T.copy_(_as_pairs(F.pad(b, (0, r % 2)) if r % 2 else b))  # [n_s, half]
         b_pairs[half:].zero_()
 
     def slice_rows(self, s: int, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
