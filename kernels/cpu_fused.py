@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["ATTENTION_DTYPES", "DTYPES", "PAIRED_DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops",
-           "loaded_op", "pairs_bf16", "prefill_attention_op", "unavailable_reason", "vector_width"]
+           "pairs_bf16", "prefill_attention_op", "unavailable_reason", "vector_width"]
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +102,6 @@ def fused_op() -> Callable[..., None] | None:
                 _state["error"] = f"{type(exc).__name__}: {lines[-1]}"
                 log.warning("fused CPU LoRA kernel unavailable, the torch path serves: %s", _state["error"])
         return _state.get("op")  # type: ignore[return-value]
-
-
-def loaded_op() -> Callable[..., None] | None:
-    """The op if fused_op() has loaded it, else None; never builds (the per-call check)."""
-    return _state.get("op")  # type: ignore[return-value]
 
 
 def bind_stacks(

@@ -89,6 +89,11 @@ class CpuStacks:
         return self.offsets[-1] + self.b_t[-1].shape[2] // self._pair
 
     @cached_property
+    def fused_dtypes(self) -> frozenset[tuple[torch.dtype, torch.dtype]]:
+        """(activations' dtype, these stacks' dtype) pairs the fused kernel takes on this layout."""
+        return cpu_fused.PAIRED_DTYPES if self.paired else cpu_fused.DTYPES
+
+    @cached_property
     def slice_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per slice, views of the stacks: A_s [max_loras, max_rank, in] and B_s [max_loras, n_s,
         max_rank]; paired, [max_loras, max_rank, in/2, 2] and [max_loras, n_s, max_rank/2, 2]

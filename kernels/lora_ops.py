@@ -43,7 +43,6 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import cpu_fused
 from kernels.checks import (
     check_add_lora_args,
     check_cpu_stacks_args,
@@ -114,7 +113,7 @@ def add_lora_cpu_fused(out: torch.Tensor, x: torch.Tensor, stacks: CpuStacks, me
     nothing, where that kernel cannot serve (its library not loaded, other dtypes; paired stacks
     take bf16 x alone): then add_lora_cpu does."""
     kernel = stacks.fused_kernel()
-    if kernel is None or (x.dtype, stacks.a_t.dtype) not in (cpu_fused.PAIRED_DTYPES if stacks.paired else cpu_fused.DTYPES):
+    if kernel is None or (x.dtype, stacks.a_t.dtype) not in stacks.fused_dtypes:
         return False
     if meta.has_lora:
         kernel(out, x, meta.lora_token_ids, meta.cpu_segments)

@@ -284,7 +284,7 @@ def test_without_the_kernel_the_torch_path_serves(monkeypatch):
     meta = build_lora_metadata(torch.tensor(LAYOUTS["scattered"]), ranks)
     x = torch.randn(meta.num_tokens, stacks.in_features)
     monkeypatch.setattr(cpu_fused, "_state", {"error": "RuntimeError: no C++ compiler (c++) on PATH"})
-    assert cpu_fused.fused_op() is None and cpu_fused.loaded_op() is None
+    assert cpu_fused.fused_op() is None and cpu_fused.layer_ops() is None
     got = torch.zeros(meta.num_tokens, stacks.out_features)
     lora_ops.add_lora_cpu(got, x, stacks, meta, kernel="fused")
     want = torch.zeros_like(got)
