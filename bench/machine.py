@@ -46,8 +46,9 @@ def plan_line(engine) -> str:
         timed = plan["timings_us"].get(name)
         return plan[name] + (" (" + ", ".join(f"{k} {us:.0f} us" for k, us in timed.items()) + ")" if timed else "")
 
+    tiles = f", runs of >= {plan['lora_tile_rows']} tokens on AMX tiles" if plan["lora_tile_rows"] else ""
     return (f"matmul plan ({plan['source']}): {paths}; LoRA in {plan['lora_dtype']}, kernel "
-            f"{kernel('lora_kernel')}; decode attention {kernel('attention_kernel')}; prefill attention "
+            f"{kernel('lora_kernel')}{tiles}; decode attention {kernel('attention_kernel')}; prefill attention "
             f"{kernel('prefill_attention_kernel')}; quantised weights "
             f"{kernel('quant_kernel')}; dense weights {kernel('dense_layout')}")  # fmt: skip
 

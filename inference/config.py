@@ -22,7 +22,7 @@ WEIGHTS_DTYPES = ("auto", "int8", "int4")
 
 # inference/layers/matmul_plan.py's paths, named here so reading the config never imports torch
 MATMUL_PATH_CHOICES = ("auto", "native", "fp32-upcast", "fp32-cached")
-LORA_KERNEL_CHOICES = ("auto", "fused", "torch")
+LORA_KERNEL_CHOICES = ("auto", "fused", "amx", "torch")
 ATTENTION_KERNEL_CHOICES = ("auto", "fused", "torch")
 QUANT_KERNEL_CHOICES = ("auto", "fused", "torch")
 DENSE_LAYOUT_CHOICES = ("auto", "onednn", "plain")

@@ -32,8 +32,9 @@ lowers the kernel's GCC vector types to this CPU's AVX2 or AVX-512, and where th
 AVX512-BF16 (Zen 4, Sapphire Rapids) bf16 on bf16 runs on vdpbf16ps pair dot products: twice the
 multiply-adds per instruction, no widening of the activations (1.3-1.7x faster with the stacks
 in cache on a 2-core AMD EPYC), on stacks that keep their rows in pairs for it (pairs_bf16(),
-kernels/cpu_stacks.py). So a build serves only the machine it was made on, and the cache key
-includes the CPU's flags. `python -m kernels.cpu_fused`
+kernels/cpu_stacks.py); where it has AMX-BF16 too (Sapphire Rapids), runs of tokens of one
+adapter multiply on AMX tiles (tiles_bf16(); 1.6-1.7x faster on prefill than the pair passes).
+So a build serves only the machine it was made on, and the cache key includes the CPU's flags. `python -m kernels.cpu_fused`
 builds it (`make run` and `make test` run it; 16-65 s on 2 cores) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
 if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the
@@ -59,7 +60,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["ATTENTION_DTYPES", "DTYPES", "PAIRED_DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops",
-           "pairs_bf16", "prefill_attention_op", "unavailable_reason", "vector_width"]
+           "pairs_bf16", "prefill_attention_op", "tiles_bf16", "unavailable_reason", "vector_width"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def fused_op() -> Callable[..., None] | None:
 
 def bind_stacks(
     a_t: torch.Tensor, b_t: Sequence[torch.Tensor], slices: Sequence[int], offsets: Sequence[int],
-    paired: bool = False,
+    paired: bool = False, tile_rows: int = 0,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
     """add_lora_fused with its stacks arguments bound once: `bound(out, x, token_ids, segments)`
     does what `add_lora_fused(out, x, a_t, b_t, slices, offsets, token_ids, segments, paired)`
@@ -115,7 +116,15 @@ def bind_stacks(
     module = _state.get("module")
     if module is None:
         return None
-    return module.BoundStacks(a_t, list(b_t), list(slices), list(offsets), paired).add
+    return module.BoundStacks(a_t, list(b_t), list(slices), list(offsets), paired, tile_rows).add
+
+
+def tiles_bf16() -> bool:
+    """Whether the loaded library multiplies paired bf16 stacks on AMX tiles (`tiles`: its build
+    has the AMX-BF16 path and Linux let this process use the tiles); False where fused_op() has
+    not loaded it; never builds."""
+    module = _state.get("module")
+    return module is not None and module.tiles_bf16()
 
 
 def pairs_bf16() -> bool:

@@ -21,7 +21,10 @@ library pairs_bf16()) keep the same rows two by two, interleaved, as that path m
     b_t  S x [max_loras, max_rank/2, 2·n_s]  of the layout above
 
 so the kernel loads a pair of rows as one vector (a projection's delta 4-15% faster, 2-core AMD
-EPYC, Zen 4: kernels/csrc/lora_cpu.cpp). They are no strided views of the kernels' API stacks:
+EPYC, Zen 4: kernels/csrc/lora_cpu.cpp). That is also the layout an AMX tile multiply takes its
+second operand in (16 pair rows of 16 columns), so where the library has tiles (tiles_bf16())
+the kernel bound to paired stacks multiplies runs of at least `tile_rows` tokens of one adapter
+on them (0: never; the engine's matmul plan measures the threshold). They are no strided views of the kernels' API stacks:
 the per-slice views are 4-D ([max_loras, max_rank, in/2, 2], [max_loras, n_s, max_rank/2, 2]),
 `write_slice` fills a slot of either layout, `slice_rows` reads one back, and the torch path
 multiplies an unpaired copy (`unpaired()`: only where the fused kernel cannot serve them).
@@ -57,6 +60,7 @@ class CpuStacks:
     offsets: tuple[int, ...]
     index: tuple[int, ...]
     paired: bool = False
+    tile_rows: int = 0  # the fused kernel's AMX tile products: see the module doc
 
     @cached_property
     def _pair(self) -> int:  # rows per stored row
@@ -163,7 +167,7 @@ class CpuStacks:
             return self
         a_t = self.a_t.unflatten(2, (-1, 2)).transpose(2, 3).flatten(1, 2).contiguous()  # [L, in, R·S]
         b_t = tuple(b.unflatten(2, (-1, 2)).transpose(2, 3).flatten(1, 2).contiguous() for b in self.b_t)
-        return CpuStacks(a_t, b_t, self.offsets, self.index)
+        return CpuStacks(a_t, b_t, self.offsets, self.index)  # tiles take paired stacks only
 
     def fused_kernel(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
         """The fused C++ kernel bound to these stacks and slices (cpu_fused.bind_stacks:
@@ -171,7 +175,8 @@ class CpuStacks:
         kernel's library is not loaded."""
         kernel = self.__dict__.get("_fused_kernel")
         if kernel is None:
-            kernel = cpu_fused.bind_stacks(self.a_t, self.b_t, self.index, self.adapted[1], self.paired)
+            kernel = cpu_fused.bind_stacks(self.a_t, self.b_t, self.index, self.adapted[1], self.paired,
+                                           self.tile_rows)
             if kernel is not None:  # the frozen dataclass's cache, as cached_property keeps one
                 self.__dict__["_fused_kernel"] = kernel
         return kernel
@@ -202,12 +207,13 @@ def pairs_rows(dtype: torch.dtype, in_features: int, max_rank: int) -> bool:
 
 def cpu_stacks(
     max_loras: int, max_rank: int, in_features: int, output_sizes: Sequence[int], dtype: torch.dtype,
-    paired: bool = False,
+    paired: bool = False, tile_rows: int = 0,
 ) -> tuple[CpuStacks, list[torch.Tensor], list[torch.Tensor]]:
     """Zeroed stacks for slices of `output_sizes` columns (back to back in the output), and
     their per-slice views (CpuStacks.slice_views): A_s [max_loras, max_rank, in] and B_s
     [max_loras, n_s, max_rank], 4-D where `paired` (see the module doc; bf16, even in_features
-    and max_rank). Writing a slot through the views (CpuStacks.write_slice) fills the stacks."""
+    and max_rank; `tile_rows` > 0 takes paired ones). Writing a slot through the views
+    (CpuStacks.write_slice) fills the stacks."""
     sizes = [int(n) for n in output_sizes]
     if not 1 <= len(sizes) <= 3 or min(sizes) < 1:
         raise ValueError(f"output_sizes must be 1 to 3 widths >= 1, got {list(output_sizes)}")
@@ -220,9 +226,11 @@ def cpu_stacks(
     if paired and (dtype != torch.bfloat16 or in_features % 2 or max_rank % 2):
         raise ValueError(f"paired stacks are bf16 with even in_features and max_rank, got {dtype}, "
                          f"{in_features}, {max_rank}")  # fmt: skip
+    if tile_rows < 0 or (tile_rows and not paired):
+        raise ValueError(f"tile_rows must be 0, or >= 1 on paired stacks, got {tile_rows} (paired={paired})")
     num_slices, pair = len(sizes), 2 if paired else 1
     a_t = torch.zeros(max_loras, in_features // pair, max_rank * num_slices * pair, dtype=dtype)
     b_t = tuple(torch.zeros(max_loras, max_rank // pair, n * pair, dtype=dtype) for n in sizes)
     offsets = tuple([0, *accumulate(sizes)][:-1])
-    stacks = CpuStacks(a_t, b_t, offsets, tuple(range(num_slices)), paired)
+    stacks = CpuStacks(a_t, b_t, offsets, tuple(range(num_slices)), paired, tile_rows)
     return stacks, *stacks.slice_views

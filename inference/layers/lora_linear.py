@@ -38,7 +38,8 @@ from itertools import accumulate
 import torch
 
 from inference.layers.linear import Linear, upcasts_to_fp32
-from inference.layers.matmul_plan import FUSED_KERNEL, linear_fp32
+from inference.layers.matmul_plan import FUSED_KERNELS, linear_fp32
+from kernels import cpu_fused
 from kernels.cpu_stacks import CpuStacks, cpu_stacks, pairs_rows
 from kernels.lora_ops import add_lora, add_lora_cpu, add_lora_cpu_fused
 from kernels.metadata import LoRABatchMetadata
@@ -83,9 +84,10 @@ class LoRALinear(Linear):
         """Preallocate zeroed stacks for `max_loras` adapters of rank up to `max_rank`, in `dtype`
         (the LoRA compute dtype)."""
         if device.type == "cpu":
-            paired = self.plan.lora_kernel == FUSED_KERNEL and pairs_rows(dtype, self.in_features, max_rank)
+            paired = self.plan.lora_kernel in FUSED_KERNELS and pairs_rows(dtype, self.in_features, max_rank)
+            tile_rows = self.plan.lora_tile_rows if paired and cpu_fused.tiles_bf16() else 0
             self._cpu_stacks, self.lora_a, self.lora_b = cpu_stacks(
-                max_loras, max_rank, self.in_features, self.output_sizes, dtype, paired
+                max_loras, max_rank, self.in_features, self.output_sizes, dtype, paired, tile_rows
             )
         else:  # the Triton kernels take one contiguous stack per slice
             self._cpu_stacks = None
@@ -257,6 +259,6 @@ def _add_delta(
     a, b, offsets, stacks = live
     if stacks is None:
         add_lora(out, x, a, b, lora_meta, offsets)
-    elif kernel != "fused" or not add_lora_cpu_fused(out, x, stacks, lora_meta):
+    elif kernel not in FUSED_KERNELS or not add_lora_cpu_fused(out, x, stacks, lora_meta):
         # CPU: the layout add_lora_cpu multiplies fastest, with the plan's kernel
         add_lora_cpu(out, x, stacks, lora_meta, kernel)

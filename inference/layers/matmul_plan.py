@@ -24,7 +24,10 @@ and, for the LoRA delta (kernels/lora_ops.py), the dtype its stacked A/B are kep
 multiplied in: the model dtype, or fp32 (converted once at slot fill, not per step); and the
 kernel that computes it: torch ops, or the fused C++ kernel built for this CPU
 (kernels/cpu_fused.py), timed against each other on the model's projections where it builds
-(`--lora-kernel`, env INFERENCE_LORA_KERNEL, forces one).
+(`--lora-kernel`, env INFERENCE_LORA_KERNEL, forces one). Where the fused kernel wins on bf16
+stacks and the CPU has AMX (kernels/cpu_stacks.py: tiles), "amx" is that kernel with every run
+of at least `lora_tile_rows` tokens of one adapter multiplied on AMX tiles, the threshold timed
+too: tiles won 1.6-1.7x on prefill and lost 0.7-0.9x at 1-2 tokens an adapter (2-core Xeon).
 
 fp32 models, and CUDA, have nothing to choose: every class is native. `--matmul-path` (env
 INFERENCE_MATMUL_PATH) forces one path for every class (tests run the oracles under each).
@@ -52,8 +55,11 @@ PATHS = (NATIVE, FP32_UPCAST, FP32_CACHED)
 # native where packing may follow, since that is the layout native products would then run on
 NATIVE_PACKED = "native-onednn"
 MATMUL_PATH_CHOICES = ("auto", *PATHS)
-TORCH_KERNEL, FUSED_KERNEL = "torch", "fused"  # the CPU's LoRA kernels (CUDA runs Triton's)
-LORA_KERNEL_CHOICES = ("auto", FUSED_KERNEL, TORCH_KERNEL)
+TORCH_KERNEL, FUSED_KERNEL, AMX_KERNEL = "torch", "fused", "amx"  # the CPU's LoRA kernels (CUDA runs Triton's)
+FUSED_KERNELS = (FUSED_KERNEL, AMX_KERNEL)  # the C++ kernel: "amx" puts runs of tokens on tiles
+LORA_KERNEL_CHOICES = ("auto", FUSED_KERNEL, AMX_KERNEL, TORCH_KERNEL)
+# Tokens of one adapter the tile products are timed at, from the most down (see _tile_rows)
+TILE_ROWS_TIMED = (16, 8, 4, 2, 1)
 SHAPE_CLASSES = ("decode", "batch", "prefill")
 BATCH_MIN_ROWS = 5
 PREFILL_MIN_ROWS = 64
@@ -89,7 +95,9 @@ class MatmulPlan:
     # shape class -> path -> best seconds for the class's products (the LoRA class: dtype name;
     # "lora_kernel": kernel name)
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
-    lora_kernel: str = TORCH_KERNEL  # "torch" or "fused" on the CPU, "triton" on CUDA
+    lora_kernel: str = TORCH_KERNEL  # "torch", "fused" or "amx" on the CPU, "triton" on CUDA
+    # "amx": runs of at least this many tokens of one adapter multiply on AMX tiles (else 0)
+    lora_tile_rows: int = 0
     # how decode rows attend on the CPU: "torch" or "fused" (inference/layers/attention_plan.py)
     attention_kernel: str = TORCH_KERNEL
     # how prefill chunks attend on the CPU: "torch" or "fused" (inference/layers/attention_plan.py)
@@ -119,6 +127,7 @@ class MatmulPlan:
             "paths": dict(self.paths),
             "lora_dtype": str(self.lora_dtype).removeprefix("torch."),
             "lora_kernel": self.lora_kernel,
+            "lora_tile_rows": self.lora_tile_rows,
             "attention_kernel": self.attention_kernel,
             "prefill_attention_kernel": self.prefill_attention_kernel,
             "quant_kernel": self.quant_kernel,
@@ -187,20 +196,28 @@ def with_lora_kernel(
     rank: int = 16, copies: int = 1,
 ) -> MatmulPlan:
     """`plan` with its CPU LoRA kernel: "torch"; "fused" (RuntimeError where it cannot be built
-    here, the reason given); or "auto": the faster of the two on `projections` (in_features,
-    output slices) with x in `dtype` and the stacks in the plan's LoRA dtype, and the fused one
-    with model-dtype stacks too (taking that dtype when it wins); torch where the fused kernel
-    cannot be built (its first build here takes ~15-35 s, then it is cached). `copies`: see
-    _lora_delta."""
+    here, the reason given); "amx" (the fused kernel with every run of tokens on AMX tiles, on
+    bf16 stacks: RuntimeError where this CPU or its OS has no tiles, or the model is not bf16);
+    or "auto": the faster of torch and fused on `projections` (in_features, output slices) with
+    x in `dtype` and the stacks in the plan's LoRA dtype, and the fused one with model-dtype
+    stacks too (taking that dtype when it wins), then amx where it wins from some run length
+    (_with_tiles); torch where the fused kernel cannot be built (its first build here takes
+    ~15-35 s, then it is cached). `copies`: see _lora_delta."""
     if requested not in LORA_KERNEL_CHOICES:
         raise ValueError(f"lora kernel must be one of {', '.join(LORA_KERNEL_CHOICES)}, got {requested!r}")
     if requested == TORCH_KERNEL:
         return replace(plan, lora_kernel=TORCH_KERNEL)
     op = cpu_fused.fused_op()
+    if requested in FUSED_KERNELS and op is None:
+        raise RuntimeError(f"lora kernel {requested}: cannot be built here ({cpu_fused.unavailable_reason()})")
     if requested == FUSED_KERNEL:
-        if op is None:
-            raise RuntimeError(f"lora kernel fused: cannot be built here ({cpu_fused.unavailable_reason()})")
         return replace(plan, lora_kernel=FUSED_KERNEL)
+    if requested == AMX_KERNEL:
+        if not cpu_fused.tiles_bf16():
+            raise RuntimeError("lora kernel amx: no AMX-BF16 tiles here (the CPU lacks them, or the OS refused them)")
+        if dtype != torch.bfloat16:
+            raise RuntimeError(f"lora kernel amx: takes a bfloat16 model, not {str(dtype).removeprefix('torch.')}")
+        return replace(plan, lora_kernel=AMX_KERNEL, lora_dtype=dtype, lora_tile_rows=1)
     if op is None or (dtype, plan.lora_dtype) not in cpu_fused.DTYPES:
         return replace(plan, lora_kernel=TORCH_KERNEL)
     candidates = {kernel: _lora_delta(projections, dtype, plan.lora_dtype, rank, kernel, copies)
@@ -215,8 +232,54 @@ def with_lora_kernel(
     best = min(seconds, key=seconds.get)
     timings = {**plan.timings, "lora_kernel": seconds}
     if best == narrow:
-        return replace(plan, lora_kernel=FUSED_KERNEL, lora_dtype=dtype, timings=timings)
-    return replace(plan, lora_kernel=best, timings=timings)
+        return _with_tiles(replace(plan, lora_kernel=FUSED_KERNEL, lora_dtype=dtype, timings=timings), projections, rank)
+    return _with_tiles(replace(plan, lora_kernel=best, timings=timings), projections, rank)
+
+
+def _with_tiles(plan: MatmulPlan, projections: list[tuple[int, list[int]]], rank: int) -> MatmulPlan:
+    """`plan` as is, or, where its fused kernel runs on bf16 stacks that would be paired and the
+    library has AMX tiles, "amx" from the fewest tokens of one adapter at which the tiles win
+    (_tile_rows), when they win at all."""
+    tiled = [(in_features, sizes) for in_features, sizes in projections
+             if pairs_rows(plan.lora_dtype, in_features, rank)]  # fmt: skip
+    if plan.lora_kernel != FUSED_KERNEL or not tiled or not cpu_fused.tiles_bf16():
+        return plan
+    rows, seconds = _tile_rows(tiled, rank)
+    timings = {**plan.timings, "lora_tile_rows": seconds}
+    if not rows:
+        return replace(plan, timings=timings)
+    return replace(plan, lora_kernel=AMX_KERNEL, lora_tile_rows=rows, timings=timings)
+
+
+def _tile_rows(projections: list[tuple[int, list[int]]], rank: int) -> tuple[int, dict[str, float]]:
+    """(the fewest tokens of one adapter from which the fused kernel's AMX tile products beat its
+    vdpbf16ps passes, 0 where they lose at TILE_ROWS_TIMED's most; the timings): 8 adapters'
+    runs of each length in TILE_ROWS_TIMED, most first, until the tiles lose. A tile multiply
+    costs about the same at 1 row as at 16, so they win on prefill chunks and lose on a few
+    tokens an adapter."""
+    timings: dict[str, float] = {}
+    rows_won = 0
+    for rows in TILE_ROWS_TIMED:
+        seconds = race({"pairs": _tile_delta(projections, rank, rows, 0), "tiles": _tile_delta(projections, rank, rows, 1)})
+        timings[f"pairs@{rows}"], timings[f"tiles@{rows}"] = seconds["pairs"], seconds["tiles"]
+        if seconds["tiles"] >= seconds["pairs"]:
+            break
+        rows_won = rows
+    return rows_won, timings
+
+
+def _tile_delta(projections: list[tuple[int, list[int]]], rank: int, rows: int, tile_rows: int) -> Callable[[], object]:
+    """The fused kernel on paired bf16 stacks of 8 slots with `rows` tokens of each, interleaved
+    as a decode batch's are, `tile_rows` as CpuStacks takes it."""
+    slots = 8
+    meta = build_lora_metadata(torch.arange(slots * rows) % slots, torch.full((slots,), rank))
+    calls = []
+    for in_features, sizes in projections:
+        stacks = replace(_race_stacks(slots, rank, in_features, sizes, torch.bfloat16, True), tile_rows=tile_rows)
+        x = torch.randn(meta.num_tokens, in_features).to(torch.bfloat16)
+        out = torch.zeros(meta.num_tokens, sum(sizes), dtype=torch.bfloat16)
+        calls.append((out, x, stacks, meta, FUSED_KERNEL))
+    return lambda: [add_lora_cpu(*call) for call in calls]
 
 
 def calibrate(

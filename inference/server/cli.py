@@ -83,10 +83,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                                          "at start-up and takes the fastest per shape class (decode, batched "
                                          "decode, prefill); native / fp32-upcast / fp32-cached forces one",
                                          "matmul_path"))
-    p.add_argument("--lora-kernel", choices=["auto", "fused", "torch"],
+    p.add_argument("--lora-kernel", choices=["auto", "fused", "amx", "torch"],
                    help=engine_flag_help("the LoRA delta's kernel on the CPU: auto times the fused C++ kernel "
-                                         "(built for this CPU on first use) against torch ops at start-up; "
-                                         "fused / torch forces one", "lora_kernel"))
+                                         "(built for this CPU on first use) against torch ops at start-up, and "
+                                         "where the CPU has AMX, from how many tokens of one adapter its tile "
+                                         "products win; fused / amx (every run of tokens on tiles) / torch "
+                                         "forces one", "lora_kernel"))
     p.add_argument("--attention-kernel", choices=["auto", "fused", "torch"],
                    help=engine_flag_help("how decode rows and prefill chunks attend on the CPU: auto times "
                                          "the fused C++ paged kernels (built with the LoRA one) against torch's "

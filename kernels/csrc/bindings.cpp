@@ -25,16 +25,17 @@ using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 class BoundStacks {
  public:
   BoundStacks(at::Tensor a_t, std::vector<at::Tensor> b_t, std::vector<int64_t> slices, std::vector<int64_t> offsets,
-              bool paired)
+              bool paired, int64_t tile_rows)
       : a_t_(std::move(a_t)),
         b_t_(std::move(b_t)),
         slices_(std::move(slices)),
         offsets_(std::move(offsets)),
-        paired_(paired) {}
+        paired_(paired),
+        tile_rows_(tile_rows) {}
 
   void add(at::Tensor out, const at::Tensor& x, const at::Tensor& token_ids, const at::Tensor& segments) const {
     loraplex_ops::add_lora_fused(std::move(out), x, a_t_, b_t_, slices_, offsets_, token_ids, segments,
-                                 paired_);
+                                 paired_, tile_rows_);
   }
 
  private:
@@ -42,6 +43,7 @@ class BoundStacks {
   std::vector<at::Tensor> b_t_;
   std::vector<int64_t> slices_, offsets_;
   bool paired_;
+  int64_t tile_rows_;
 };
 
 }  // namespace
@@ -50,10 +52,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   namespace ops = loraplex_ops;
   pybind11::class_<BoundStacks>(m, "BoundStacks")
-      .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, bool>(),
-           "a_t"_a, "b_t"_a, "slices"_a, "offsets"_a, "paired"_a = false)
+      .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, bool, int64_t>(),
+           "a_t"_a, "b_t"_a, "slices"_a, "offsets"_a, "paired"_a = false, "tile_rows"_a = 0)
       .def("add", &BoundStacks::add, "out"_a, "x"_a, "token_ids"_a, "segments"_a, NoGil());
   m.def("pairs_bf16", &ops::pairs_bf16);
+  m.def("tiles_bf16", &ops::tiles_bf16);
   m.def("paged_decode_attention", &ops::paged_decode_attention, "out"_a, "q"_a, "k_cache"_a, "v_cache"_a, "rows"_a,
         "block_tables"_a, "context_lens"_a, "scale"_a, NoGil());
   m.def("paged_prefill_attention", &ops::paged_prefill_attention, "out"_a, "q"_a, "k_cache"_a, "v_cache"_a,

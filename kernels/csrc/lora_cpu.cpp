@@ -21,7 +21,9 @@
 //   b_t  S x [L, R/2, 2*n_s]   (element 2c + p of pair row k is row 2k+p's column c)
 //
 // so a step of a pass loads 16 columns' pairs as they lie, one 512-bit load, where unpaired rows
-// take two 256-bit loads, an insert and a permute.
+// take two 256-bit loads, an insert and a permute. That is also how an AMX tile multiply takes
+// its second operand: where the CPU has AMX-BF16, a call with tile_rows > 0 takes items of up to
+// 16 tokens and multiplies those of at least tile_rows tokens on tiles (item_tiles, below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -35,8 +37,12 @@
 #include <immintrin.h>
 #endif
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -177,6 +183,7 @@ struct Args {
   int64_t in, x_pitch, out_pitch, lda, max_rank, num_slices;
   std::vector<int64_t> slices, offsets, widths;
   bool paired;
+  int64_t tile_rows;  // items of at least this many tokens multiply on AMX tiles (0: none)
 };
 
 template <int M, typename X, typename W>
@@ -374,6 +381,212 @@ void item_dp(const Args& g, const c10::BFloat16* x, c10::BFloat16* out, const in
     expand_dp<M, PAIRED>(o, hrows, rank, b_slot[i], g.widths[i], order);
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX tile products (Sapphire Rapids and later) on paired stacks: their pair rows are the layout
+// a tile multiply takes its second operand in (16 pair rows of 16 columns: 16 rows of 64 bytes),
+// so a K step of 16 pairs is one tile load of the stacks as they lie. Items of up to TM tokens;
+// tmm0-2 accumulate 3 column blocks of 16 (m rows of fp32), tmm3 holds the activations (m rows
+// of 16 pairs), tmm4 and tmm5 the stacks' blocks, alternating; tmm6 and tmm7 the reduction's last
+// kr < 16 pairs. Columns past the last whole block of 16 take the vdpbf16ps passes above.
+#define LORAPLEX_TILES 1
+constexpr int TM = 16;  // tokens per tile item: a tile's rows
+constexpr int TK = 16;  // pairs of the reduction per step: 64 bytes of a tile row
+constexpr int TN = 16;  // fp32 columns of a C tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline TileConfig tile_config(int m, int kr) {
+  TileConfig c;
+  for (int i = 0; i < 4; ++i) c.rows[i] = static_cast<uint8_t>(m), c.colsb[i] = 64;  // C, A
+  c.rows[4] = c.rows[5] = TK, c.colsb[4] = c.colsb[5] = 64;                         // B
+  if (kr) {
+    c.rows[6] = static_cast<uint8_t>(m), c.colsb[6] = static_cast<uint16_t>(4 * kr);
+    c.rows[7] = static_cast<uint8_t>(kr), c.colsb[7] = 64;
+  }
+  return c;
+}
+
+// The configuration loaded on this thread, reloaded only when another is asked for. oneDNN's
+// AMX kernels load their own and release the tiles when they end, so a call starts with none
+// (tiles_begin) and releases them too (tiles_end).
+thread_local TileConfig tile_loaded;
+thread_local bool tile_is_loaded = false;
+
+inline void use_tiles(int m, int kr) {
+  const TileConfig c = tile_config(m, kr);
+  if (tile_is_loaded && std::memcmp(&c, &tile_loaded, sizeof c) == 0) return;
+  _tile_loadconfig(&c);
+  tile_loaded = c;
+  tile_is_loaded = true;
+}
+
+inline void tiles_end() {
+  if (tile_is_loaded) _tile_release();
+  tile_is_loaded = false;
+}
+
+// c[t, 0:NB*16] = sum over K of a_t[k] * w[k, c0:...] for m rows: `pairs` pair rows of w (4*ldw
+// bytes apart, ldw: the columns of an unpaired row), a's rows `a_stride` bytes apart; then stored
+// into c (rows c_stride bytes apart). use_tiles(m, pairs % TK) must be loaded.
+// Asks for the NB blocks of `rows` pair rows at b (ldb bytes apart): a step's stacks, one step
+// ahead (in integers: the address may lie past the stacks; a prefetch never faults)
+template <int NB>
+inline void tile_prefetch(const char* b, int64_t ldb, int64_t rows) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(b);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < NB; ++c) __builtin_prefetch(reinterpret_cast<const void*>(at + r * ldb + 64 * c));
+}
+
+template <int NB>
+inline void tile_pass(const c10::BFloat16* a, int64_t a_stride, int64_t pairs, const c10::BFloat16* w, int64_t ldw,
+                      int64_t c0, float* c, int64_t c_stride) {
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  const int64_t ldb = 4 * ldw, full = pairs / TK * TK;
+  const char* b = reinterpret_cast<const char*>(w + 2 * c0);
+  // the next pass's first step: the same rows' next columns
+  const char* next_pass = b + 64 * NB;
+  for (int64_t k = 0; k < full; k += TK, b += TK * ldb) {
+    if (k + TK < pairs)
+      tile_prefetch<NB>(b + TK * ldb, ldb, std::min<int64_t>(TK, pairs - k - TK));
+    else
+      tile_prefetch<3>(next_pass, ldb, std::min<int64_t>(TK, pairs));
+    _tile_loadd(3, a + 2 * k, a_stride);
+    _tile_loadd(4, b, ldb);
+    _tile_dpbf16ps(0, 3, 4);
+    if constexpr (NB > 1) {
+      _tile_loadd(5, b + 64, ldb);
+      _tile_dpbf16ps(1, 3, 5);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(4, b + 128, ldb);
+      _tile_dpbf16ps(2, 3, 4);
+    }
+  }
+  if (full < pairs) {
+    tile_prefetch<3>(next_pass, ldb, std::min<int64_t>(TK, pairs));
+    _tile_loadd(6, a + 2 * full, a_stride);
+    _tile_loadd(7, b, ldb);
+    _tile_dpbf16ps(0, 6, 7);
+    if constexpr (NB > 1) {
+      _tile_loadd(7, b + 64, ldb);
+      _tile_dpbf16ps(1, 6, 7);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(7, b + 128, ldb);
+      _tile_dpbf16ps(2, 6, 7);
+    }
+  }
+  _tile_stored(0, c, c_stride);
+  if constexpr (NB > 1) _tile_stored(1, c + TN, c_stride);
+  if constexpr (NB > 2) _tile_stored(2, c + 2 * TN, c_stride);
+}
+
+// Every whole block of 16 columns of w in passes of up to 3 blocks; `store(c0, acc, width)`
+// then takes acc [m rows of `width` columns, TN*3 floats apart]. Returns the columns done.
+template <typename Store>
+inline int64_t tile_columns(const c10::BFloat16* a, int64_t a_stride, int64_t pairs, const c10::BFloat16* w,
+                            int64_t ldw, int64_t cols, float* acc, Store store) {
+  const int64_t whole = cols / TN * TN;
+  for (int64_t c0 = 0; c0 < whole; c0 += 3 * TN) {
+    const int64_t width = std::min<int64_t>(3 * TN, whole - c0);
+    if (width == 3 * TN)
+      tile_pass<3>(a, a_stride, pairs, w, ldw, c0, acc, 3 * TN * 4);
+    else if (width == 2 * TN)
+      tile_pass<2>(a, a_stride, pairs, w, ldw, c0, acc, 3 * TN * 4);
+    else
+      tile_pass<1>(a, a_stride, pairs, w, ldw, c0, acc, 3 * TN * 4);
+    store(c0, acc, width);
+  }
+  return whole;
+}
+
+// Rows [0, m) of a dp pass family in blocks of up to MB rows: fn.template operator()<M>(row0)
+#define LORAPLEX_ROWS(m, CALL)                                       \
+  for (int r0 = 0; r0 < (m); r0 += MB) {                             \
+    switch (std::min<int>(MB, (m) - r0)) {                           \
+      case 1: CALL(1); break; case 2: CALL(2); break;                \
+      case 3: CALL(3); break; case 4: CALL(4); break;                \
+      case 5: CALL(5); break; case 6: CALL(6); break;                \
+      case 7: CALL(7); break; case 8: CALL(8); break;                \
+    }                                                                \
+  }
+
+// item_dp() for up to TM tokens on paired stacks, on tiles. xs: scratch [TM, in] for scattered
+// tokens' rows; hb: [TM, lda + max_rank] bf16; acc: [TM, 3*TN] fp32.
+inline void item_tiles(const Args& g, const c10::BFloat16* x, c10::BFloat16* out, const int64_t* ids, int m,
+                       const c10::BFloat16* a_slot, const std::vector<const c10::BFloat16*>& b_slot, int64_t rank,
+                       c10::BFloat16* xs, c10::BFloat16* hb, float* acc) {
+  static const __m512i order = pair_order();
+  const int64_t S = g.num_slices, cols = rank * S, in = g.in;
+  // the tokens' rows: in place where they are consecutive, else gathered
+  bool consecutive = true;
+  for (int t = 1; t < m; ++t) consecutive = consecutive && ids[t] == ids[0] + t;
+  const c10::BFloat16* xa = x + ids[0] * g.x_pitch;
+  int64_t xa_stride = g.x_pitch * 2;
+  if (!consecutive) {
+    for (int t = 0; t < m; ++t) std::memcpy(xs + t * in, x + ids[t] * g.x_pitch, in * 2);
+    xa = xs, xa_stride = in * 2;
+  }
+  // shrink: h [m, cols] bf16, rank-major
+  c10::BFloat16* h = hb;
+  use_tiles(m, static_cast<int>((in / 2) % TK));
+  const int64_t done = tile_columns(xa, xa_stride, in / 2, a_slot, g.lda, cols, acc,
+                                    [&](int64_t c0, const float* a, int64_t width) {
+    for (int t = 0; t < m; ++t)
+      for (int64_t c = 0; c < width; c += TN)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + t * cols + c0 + c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + t * 3 * TN + c)));
+  });
+  if (done < cols) {  // the last columns, on vdpbf16ps
+    const c10::BFloat16* xrows[TM];
+    for (int t = 0; t < m; ++t) xrows[t] = xa + t * (xa_stride / 2);
+#define LORAPLEX_SHRINK_TAIL(M)                                                                        \
+  dp_pass<M, 1, true>(xrows + r0, in, a_slot, g.lda, done, cols, order,                               \
+                      [&](int t, int64_t c, __m512 v, __mmask16 mk) {                                 \
+                        _mm256_mask_storeu_epi16(h + (r0 + t) * cols + c, mk, (__m256i)_mm512_cvtneps_pbh(v)); \
+                      })
+    LORAPLEX_ROWS(m, LORAPLEX_SHRINK_TAIL)
+#undef LORAPLEX_SHRINK_TAIL
+  }
+  // each slice's expand: its h [m, rank] (even: an odd rank's last pair with a zero), added into out
+  const int64_t hp = (rank + 1) / 2 * 2;  // h's row length as the expand reads it
+  c10::BFloat16* slice_h = hb + TM * cols;
+  use_tiles(m, static_cast<int>((hp / 2) % TK));
+  for (size_t i = 0; i < g.slices.size(); ++i) {
+    const int64_t s = g.slices[i], n = g.widths[i];
+    for (int t = 0; t < m; ++t) {
+      for (int64_t r = 0; r < rank; ++r) slice_h[t * hp + r] = h[t * cols + r * S + s];
+      if (hp > rank) slice_h[t * hp + rank] = c10::BFloat16(0.f);
+    }
+    c10::BFloat16* o = out + g.offsets[i];
+    const int64_t whole = tile_columns(slice_h, hp * 2, hp / 2, b_slot[i], n, n, acc,
+                                       [&](int64_t j0, const float* a, int64_t width) {
+      for (int t = 0; t < m; ++t)
+        for (int64_t c = 0; c < width; c += TN)
+          add_store_dp(o + ids[t] * g.out_pitch + j0 + c, _mm512_loadu_ps(a + t * 3 * TN + c), 0xffff);
+    });
+    if (whole < n) {
+      const c10::BFloat16* hrows[TM];
+      c10::BFloat16* orows[TM];
+      for (int t = 0; t < m; ++t) hrows[t] = slice_h + t * hp, orows[t] = o + ids[t] * g.out_pitch;
+#define LORAPLEX_EXPAND_TAIL(M)                                                         \
+  dp_pass<M, 1, true>(hrows + r0, rank, b_slot[i], n, whole, n, order,                 \
+                      [&](int t, int64_t j, __m512 v, __mmask16 mk) { add_store_dp(orows[r0 + t] + j, v, mk); })
+      LORAPLEX_ROWS(m, LORAPLEX_EXPAND_TAIL)
+#undef LORAPLEX_EXPAND_TAIL
+    }
+  }
+}
+#undef LORAPLEX_ROWS
+#endif
 #endif
 
 template <typename X, typename W>
@@ -385,22 +598,39 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
   const int64_t* ids = token_ids.data_ptr<int64_t>();
   const int64_t* seg = segments.data_ptr<int64_t>();  // [G, 4]: start, length, slot, rank
   std::vector<std::pair<int64_t, int64_t>> items;     // (segment, its first token of the item)
+#ifdef LORAPLEX_TILES
+  const int64_t item_tokens = g.tile_rows > 0 ? TM : MB;
+#else
+  const int64_t item_tokens = MB;
+#endif
   for (int64_t s = 0; s < segments.size(0); ++s)
-    for (int64_t t0 = 0; t0 < seg[s * 4 + 1]; t0 += MB) items.emplace_back(s, t0);
+    for (int64_t t0 = 0; t0 < seg[s * 4 + 1]; t0 += item_tokens) items.emplace_back(s, t0);
   std::vector<const W*> b_base;
   for (int64_t sl : g.slices) b_base.push_back(b_t[sl].data_ptr<W>());
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> h(MB * g.lda);
-    std::vector<c10::BFloat16> hb(MB * (g.lda + g.max_rank));
+    std::vector<c10::BFloat16> hb(item_tokens * (g.lda + g.max_rank));
     std::vector<const W*> b_slot(g.slices.size());
+#ifdef LORAPLEX_TILES
+    std::vector<c10::BFloat16> xs(g.tile_rows > 0 ? TM * g.in : 0);
+    alignas(64) float acc[TM * 3 * TN];
+#endif
     for (int64_t it = begin; it < end; ++it) {
       const int64_t* sg = seg + items[it].first * 4;
       const int64_t t0 = items[it].second, slot = sg[2], rank = sg[3];
-      const int64_t m = std::min<int64_t>(MB, sg[1] - t0);
+      const int64_t m = std::min<int64_t>(item_tokens, sg[1] - t0);
       const W* a_slot = ap + slot * g.in * g.lda;
       for (size_t i = 0; i < g.slices.size(); ++i) b_slot[i] = b_base[i] + slot * g.max_rank * g.widths[i];
       const int64_t* item_ids = ids + sg[0] + t0;
-      switch (m) {
+#ifdef LORAPLEX_TILES
+      if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) {
+        if (g.tile_rows > 0 && m >= g.tile_rows) {
+          item_tiles(g, xp, op, item_ids, static_cast<int>(m), a_slot, b_slot, rank, xs.data(), hb.data(), acc);
+          continue;
+        }
+      }
+#endif
+      for (int64_t r0 = 0; r0 < m; r0 += MB, item_ids += MB) switch (std::min<int64_t>(MB, m - r0)) {
 #ifdef LORAPLEX_DPBF16
 #define LORAPLEX_ITEM(K)                                                              \
   case K:                                                                             \
@@ -423,6 +653,9 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
 #undef LORAPLEX_ITEM
       }
     }
+#ifdef LORAPLEX_TILES
+    tiles_end();
+#endif
   });
 }
 
@@ -430,7 +663,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
 // from reading or writing out of bounds).
 Args check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std::vector<at::Tensor>& b_t,
            const std::vector<int64_t>& slices, const std::vector<int64_t>& offsets, const at::Tensor& token_ids,
-           const at::Tensor& segments, bool paired) {
+           const at::Tensor& segments, bool paired, int64_t tile_rows) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && a_t.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "x [T, in] and out [T, n] expected");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out rows must be contiguous");
@@ -439,12 +672,15 @@ Args check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, co
   if (paired)
     TORCH_CHECK(loraplex_ops::pairs_bf16() && x.scalar_type() == at::kBFloat16 && a_t.scalar_type() == at::kBFloat16,
                 "paired stacks take bf16 activations on bf16 stacks, on a CPU with AVX512-BF16");
+  TORCH_CHECK(tile_rows >= 0, "tile_rows must be >= 0");
+  TORCH_CHECK(tile_rows == 0 || (paired && loraplex_ops::tiles_bf16()),
+              "tile products take paired stacks, on a CPU with AMX-BF16 that the OS lets use it");
   TORCH_CHECK(a_t.dim() == 3 && a_t.is_contiguous() && a_t.size(1) * P == x.size(1),
               paired ? "a_t [L, in/2, 2*R*S] contiguous expected" : "a_t [L, in, R*S] contiguous expected");
   const int64_t S = static_cast<int64_t>(b_t.size());
   TORCH_CHECK(S >= 1 && a_t.size(2) % (S * P) == 0, "a_t's columns must be max_rank * len(b_t)", paired ? " * 2" : "");
   const int64_t lda = a_t.size(2) / P;
-  Args g{x.size(1), x.stride(0), out.stride(0), lda, lda / S, S, slices, offsets, {}, paired};
+  Args g{x.size(1), x.stride(0), out.stride(0), lda, lda / S, S, slices, offsets, {}, paired, tile_rows};
   TORCH_CHECK(g.max_rank % P == 0, "paired stacks need an even max_rank");
   for (const auto& b : b_t) {
     TORCH_CHECK(b.dim() == 3 && b.is_contiguous() && b.scalar_type() == a_t.scalar_type() &&
@@ -481,8 +717,8 @@ Args check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, co
 void loraplex_ops::add_lora_fused(at::Tensor out, const at::Tensor& x, const at::Tensor& a_t,
                                   std::vector<at::Tensor> b_t, std::vector<int64_t> slices,
                                   std::vector<int64_t> offsets, const at::Tensor& token_ids,
-                                  const at::Tensor& segments, bool paired) {
-  Args g = check(out, x, a_t, b_t, slices, offsets, token_ids, segments, paired);
+                                  const at::Tensor& segments, bool paired, int64_t tile_rows) {
+  Args g = check(out, x, a_t, b_t, slices, offsets, token_ids, segments, paired, tile_rows);
   const auto xs = x.scalar_type(), ws = a_t.scalar_type();
 #define LORAPLEX_RUN(XT, WT, X, W) \
   if (xs == XT && ws == WT) return run<X, W>(out, x, a_t, b_t, std::move(g), token_ids, segments);
@@ -504,9 +740,21 @@ bool loraplex_ops::pairs_bf16() {
 #endif
 }
 
+// Linux hands a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM):
+// a tile instruction before that faults. Asked once; oneDNN asks the same for its own kernels.
+bool loraplex_ops::tiles_bf16() {
+#ifdef LORAPLEX_TILES
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(loraplex_cpu, m) {
   m.def(
       "add_lora_fused(Tensor(a!) out, Tensor x, Tensor a_t, Tensor[] b_t, int[] slices, int[] offsets, "
-      "Tensor token_ids, Tensor segments, bool paired=False) -> ()");
+      "Tensor token_ids, Tensor segments, bool paired=False, int tile_rows=0) -> ()");
   m.impl("add_lora_fused", c10::DispatchKey::CPU, &loraplex_ops::add_lora_fused);
 }

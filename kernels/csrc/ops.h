@@ -16,8 +16,9 @@ namespace loraplex_ops {
 // AVX512-BF16 path, takes)
 void add_lora_fused(at::Tensor out, const at::Tensor& x, const at::Tensor& a_t, std::vector<at::Tensor> b_t,
                     std::vector<int64_t> slices, std::vector<int64_t> offsets, const at::Tensor& token_ids,
-                    const at::Tensor& segments, bool paired);
+                    const at::Tensor& segments, bool paired, int64_t tile_rows = 0);
 bool pairs_bf16();
+bool tiles_bf16();
 
 // attention_cpu.cpp, prefill_attention_cpu.cpp: attention over the paged KV cache, in place in out
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -29,8 +29,8 @@ def make_layer(dtype: torch.dtype, path: str = NATIVE, lora_dtype: torch.dtype |
     return layer
 
 
-def random_slice(rank: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.randn(rank, IN) * 0.3).to(dtype), (torch.randn(n, rank) * 0.3).to(dtype)
+def random_slice(rank: int, n: int, dtype: torch.dtype, in_features: int = IN) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(rank, in_features) * 0.3).to(dtype), (torch.randn(n, rank) * 0.3).to(dtype)
 
 
 @pytest.mark.parametrize(
@@ -195,3 +195,24 @@ def test_with_the_fused_kernel_on_bf16_stacks_the_rows_are_paired_and_compute_th
     meta = build_lora_metadata(torch.tensor([2, -1, 0, 0, 2, -1, 0, 2, 2]), torch.tensor([3, 0, 8]))
     unpaired.set_plan(replace(unpaired.plan, lora_kernel="fused"))  # the same kernel on either layout
     assert torch.equal(paired(x, meta), unpaired(x, meta))
+
+
+def test_with_amx_planned_runs_of_tokens_go_on_tiles_and_add_what_the_pair_passes_add():
+    """A layer planned for "amx" keeps paired stacks whose runs of >= lora_tile_rows tokens of one
+    adapter multiply on AMX tiles; its output is the fused pair passes' within one bf16 rounding."""
+    if cpu_fused.fused_op() is None or not cpu_fused.tiles_bf16():
+        pytest.skip("no AMX-BF16 tiles here")
+    outs = []
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    meta = build_lora_metadata(torch.tensor([0] * 20 + [2, -1] * 10), torch.tensor([16, 0, 8]))
+    for kernel, tile_rows in (("fused", 0), ("amx", 4)):
+        layer = LoRALinear(64, [48, 32, 32], slice_names=("q_proj", "k_proj", "v_proj")).to(torch.bfloat16)
+        layer.set_plan(replace(forced_plan(NATIVE, torch.bfloat16), lora_kernel=kernel, lora_tile_rows=tile_rows))
+        layer.create_slots(MAX_LORAS, 16, torch.bfloat16, torch.device("cpu"))
+        torch.manual_seed(3)
+        layer.weight.data.normal_(0, 0.2)
+        layer.set_slot(0, [random_slice(16, n, torch.bfloat16, in_features=64) for n in (48, 32, 32)])
+        layer.set_slot(2, [random_slice(8, n, torch.bfloat16, in_features=64) for n in (48, 32, 32)])
+        assert layer._cpu_stacks.tile_rows == tile_rows and layer._cpu_stacks.paired
+        outs.append(layer(x, meta))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-2, rtol=8e-3)

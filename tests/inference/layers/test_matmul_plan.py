@@ -163,7 +163,7 @@ def test_the_engine_runs_on_its_plan_and_counts_the_fp32_copies(tiny_dir):
 
 def test_the_config_knows_every_lora_kernel():
     assert LORA_KERNEL_CHOICES == matmul_plan.LORA_KERNEL_CHOICES
-    with pytest.raises(ConfigError, match="lora_kernel: expected one of auto, fused, torch"):
+    with pytest.raises(ConfigError, match="lora_kernel: expected one of auto, fused, amx, torch"):
         EngineConfig(lora_kernel="triton")
     assert EngineConfig.from_env({"INFERENCE_LORA_KERNEL": "torch"}).lora_kernel == "torch"
 
@@ -197,8 +197,46 @@ def test_without_a_fused_kernel_auto_takes_torch_and_fused_says_why(tiny_dir, mo
     assert with_lora_kernel(plan, "auto", projections, torch.bfloat16).lora_kernel == "torch"
     with pytest.raises(RuntimeError, match=r"lora kernel fused: cannot be built here \(RuntimeError: no C\+\+ compiler"):
         with_lora_kernel(plan, "fused", projections, torch.bfloat16)
-    with pytest.raises(ValueError, match="lora kernel must be one of auto, fused, torch"):
+    with pytest.raises(ValueError, match="lora kernel must be one of auto, fused, amx, torch"):
         with_lora_kernel(plan, "fastest", projections, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"lora kernel amx: cannot be built here"):
+        with_lora_kernel(plan, "amx", projections, torch.bfloat16)
+
+
+def test_amx_is_forced_where_the_tiles_are_and_refused_with_the_reason_elsewhere(monkeypatch):
+    if cpu_fused.fused_op() is None:
+        pytest.skip(f"the fused kernel cannot be built here: {cpu_fused.unavailable_reason()}")
+    plan, projections = forced_plan(NATIVE, torch.bfloat16), [(64, [64, 32, 32])]
+    if cpu_fused.tiles_bf16():
+        amx = with_lora_kernel(plan, "amx", projections, torch.bfloat16)
+        assert (amx.lora_kernel, amx.lora_tile_rows, amx.lora_dtype) == ("amx", 1, torch.bfloat16)
+        assert with_lora_kernel(plan, "fused", projections, torch.bfloat16).lora_tile_rows == 0
+        with pytest.raises(RuntimeError, match="lora kernel amx: takes a bfloat16 model, not float16"):
+            with_lora_kernel(plan, "amx", projections, torch.float16)
+    monkeypatch.setattr(cpu_fused, "tiles_bf16", lambda: False)
+    with pytest.raises(RuntimeError, match="lora kernel amx: no AMX-BF16 tiles here"):
+        with_lora_kernel(plan, "amx", projections, torch.bfloat16)
+    auto = with_lora_kernel(plan, "auto", projections, torch.bfloat16)
+    assert auto.lora_kernel in ("torch", "fused") and auto.lora_tile_rows == 0
+
+
+def test_auto_puts_runs_on_tiles_from_the_fewest_tokens_at_which_they_win(tiny_dir):
+    """Where the fused kernel wins on bf16 stacks and the CPU has tiles, the plan times tiles
+    against pair passes from 16 tokens of one adapter down and takes the fewest at which they
+    still win (its timings say so), or keeps the passes."""
+    if cpu_fused.fused_op() is None or not cpu_fused.tiles_bf16():
+        pytest.skip("no AMX-BF16 tiles here")
+    plan = with_lora_kernel(forced_plan(NATIVE, torch.bfloat16), "auto", [(576, [576, 192, 192])], torch.bfloat16)
+    if plan.lora_kernel == "torch":
+        pytest.skip("torch ops won the LoRA race here")
+    timed = plan.timings["lora_tile_rows"]
+    won = 0
+    for rows in matmul_plan.TILE_ROWS_TIMED:
+        if f"tiles@{rows}" not in timed or timed[f"tiles@{rows}"] >= timed[f"pairs@{rows}"]:
+            break
+        won = rows
+    assert plan.lora_tile_rows == won and plan.lora_kernel == ("amx" if won else "fused")
+    assert json.loads(json.dumps(plan.describe()))["lora_tile_rows"] == won
 
 
 def test_the_lora_race_reads_every_layers_stacks_up_to_a_bound(tiny_dir, monkeypatch):

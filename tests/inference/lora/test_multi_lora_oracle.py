@@ -24,6 +24,7 @@ from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.lora.request import LoRARequest
+from kernels import cpu_fused
 from tests.inference.models.tiny_llama import write_tiny_checkpoint, write_word_tokenizer
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -290,8 +291,9 @@ def peft_first(peft_model, prompts) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("path", "kernel"),
-    [("auto", "auto"), *((p, k) for p in ("native", "fp32-upcast", "fp32-cached") for k in ("fused", "torch"))],
-)
+    [("auto", "auto"), ("native", "amx"),
+     *((p, k) for p in ("native", "fp32-upcast", "fp32-cached") for k in ("fused", "torch"))],
+)  # fmt: skip
 def test_bf16_mixed_batch_as_accurate_as_peft_bf16_on_every_matmul_path(workdir, prompts, peft_first, path, kernel):
     """A bf16 engine (the default dtype) on each matmul path, forced or as calibration picks it,
     LoRA deltas on that path's stacks and dtype, by each set of CPU kernels (LoRA delta and decode attention). bf16 rounds differently in every
@@ -299,14 +301,17 @@ def test_bf16_mixed_batch_as_accurate_as_peft_bf16_on_every_matmul_path(workdir,
     PEFT's fp32 top-5 are about as close to the fp32 truth as PEFT's own bf16, and wherever the
     truth's choice is clear of that error our greedy token is the truth's."""
     truth, peft_err = peft_first
+    if kernel == "amx" and (cpu_fused.fused_op() is None or not cpu_fused.tiles_bf16()):
+        pytest.skip("no AMX-BF16 tiles here")
+    attention = "fused" if kernel == "amx" else kernel  # amx: the fused LoRA kernel's tile products
     engine = make_engine(
-        workdir, dtype="bfloat16", matmul_path=path, lora_kernel=kernel, attention_kernel=kernel, max_loras=8,
+        workdir, dtype="bfloat16", matmul_path=path, lora_kernel=kernel, attention_kernel=attention, max_loras=8,
         max_cpu_loras=16,
     )
     if path != "auto":
         assert set(engine.matmul_plan.paths.values()) == {path}
         assert engine.matmul_plan.lora_dtype == (torch.bfloat16 if path == "native" else torch.float32)
-        assert engine.matmul_plan.lora_kernel == engine.matmul_plan.attention_kernel == kernel
+        assert (engine.matmul_plan.lora_kernel, engine.matmul_plan.attention_kernel) == (kernel, attention)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
     ids = [engine.add_request(p, one, lora=lora_request(workdir, r)) for p, r in zip(prompts, ROUTES, strict=True)]
     done = engine.run_until_done(ids)
