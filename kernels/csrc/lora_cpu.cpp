@@ -535,9 +535,12 @@ inline void item_tiles(const Args& g, const c10::BFloat16* x, c10::BFloat16* out
     for (int t = 0; t < m; ++t) std::memcpy(xs + t * in, x + ids[t] * g.x_pitch, in * 2);
     xa = xs, xa_stride = in * 2;
   }
-  // shrink: h [m, cols] bf16, rank-major
+  // shrink: h [m, cols] bf16, rank-major. One configuration serves both phases where at most one
+  // has a reduction's end past its last whole step (loading one costs as much as a few products)
+  const int64_t hp = (rank + 1) / 2 * 2;  // h's row length as the expand reads it (even)
+  const int kr_shrink = static_cast<int>((in / 2) % TK), kr_expand = static_cast<int>((hp / 2) % TK);
   c10::BFloat16* h = hb;
-  use_tiles(m, static_cast<int>((in / 2) % TK));
+  use_tiles(m, kr_shrink ? kr_shrink : kr_expand);
   const int64_t done = tile_columns(xa, xa_stride, in / 2, a_slot, g.lda, cols, acc,
                                     [&](int64_t c0, const float* a, int64_t width) {
     for (int t = 0; t < m; ++t)
@@ -557,9 +560,8 @@ inline void item_tiles(const Args& g, const c10::BFloat16* x, c10::BFloat16* out
 #undef LORAPLEX_SHRINK_TAIL
   }
   // each slice's expand: its h [m, rank] (even: an odd rank's last pair with a zero), added into out
-  const int64_t hp = (rank + 1) / 2 * 2;  // h's row length as the expand reads it
   c10::BFloat16* slice_h = hb + TM * cols;
-  use_tiles(m, static_cast<int>((hp / 2) % TK));
+  use_tiles(m, kr_expand ? kr_expand : kr_shrink);
   for (size_t i = 0; i < g.slices.size(); ++i) {
     const int64_t s = g.slices[i], n = g.widths[i];
     for (int t = 0; t < m; ++t) {
