@@ -27,6 +27,8 @@ Candidates (all produce the same numbers as kernels.reference, checked before ti
                  (kernels/cpu_stacks.py): what LoRALinear calls on the CPU, torch ops
     engine_fused the same through the fused C++ kernel (kernels/cpu_fused.py; absent where
                  it cannot be built here)
+    engine_paired  the fused kernel on paired stacks (bf16, where the build has AVX512-BF16)
+    engine_tiles   the same with every run of tokens on AMX tiles (where the CPU has AMX-BF16)
     dispatcher   kernels.lora_ops.add_lora on plain stacks: segments_addmm for
                  segments of >= 32 tokens, slot_bmm for the shorter ones
 
@@ -227,22 +229,35 @@ def dispatcher(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.d
     add_lora(out, x, a_list, b_list, meta)
 
 
-_ENGINE_STACKS: dict[int, CpuStacks] = {}  # id(a_list[0]) -> its copy in the engine's layout
+# (id(a_list[0]), paired, tile_rows) -> its copy in the engine's layout
+_ENGINE_STACKS: dict[tuple[int, bool, int], CpuStacks] = {}
 
 
-def engine(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype, kernel: str = "torch") -> None:
-    key = id(a_list[0])  # the lists live as long as the run: ids stay theirs
+def engine(
+    out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype, kernel: str = "torch",
+    paired: bool = False, tile_rows: int = 0,
+) -> None:
+    key = (id(a_list[0]), paired, tile_rows)  # the lists live as long as the run: ids stay theirs
     if key not in _ENGINE_STACKS:
         widths = [b.shape[1] for b in b_list]
-        stacks, a_views, b_views = cpu_stacks(MAX_LORAS, RANK, x.shape[1], widths, a_list[0].dtype)
-        for view, src in zip(a_views + b_views, a_list + b_list, strict=True):
-            view.copy_(src)
+        stacks, _, _ = cpu_stacks(MAX_LORAS, RANK, x.shape[1], widths, a_list[0].dtype, paired, tile_rows)
+        for s, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
+            for slot in range(MAX_LORAS):
+                stacks.write_slice(s, slot, a[slot], b[slot])
         _ENGINE_STACKS[key] = stacks
     add_lora_cpu(out, x, _ENGINE_STACKS[key], meta, kernel)
 
 
 def engine_fused(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype) -> None:
     engine(out, x, a_list, b_list, meta, compute, kernel="fused")
+
+
+def engine_paired(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype) -> None:
+    engine(out, x, a_list, b_list, meta, compute, kernel="fused", paired=True)
+
+
+def engine_tiles(out, x, a_list, b_list, meta: LoRABatchMetadata, compute: torch.dtype) -> None:
+    engine(out, x, a_list, b_list, meta, compute, kernel="fused", paired=True, tile_rows=1)
 
 
 CANDIDATES: dict[str, Callable] = {
@@ -256,8 +271,12 @@ CANDIDATES: dict[str, Callable] = {
     "dispatcher": dispatcher,
     "engine": engine,
     "engine_fused": engine_fused,
+    "engine_paired": engine_paired,
+    "engine_tiles": engine_tiles,
 }
-STACK_DTYPE_ONLY = {"dispatcher", "engine", "engine_fused"}  # they compute in the stacks' dtype
+# they compute in the stacks' dtype
+STACK_DTYPE_ONLY = {"dispatcher", "engine", "engine_fused", "engine_paired", "engine_tiles"}
+BF16_ONLY = {"engine_paired", "engine_tiles"}  # paired stacks are bf16
 
 
 def make_batch(kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -303,8 +322,14 @@ def main() -> None:
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     if cpu_fused.fused_op() is None:
-        CANDIDATES.pop("engine_fused")
-        print(f"fused kernel not built here ({cpu_fused.unavailable_reason()}): engine_fused left out")
+        for name in ("engine_fused", "engine_paired", "engine_tiles"):
+            CANDIDATES.pop(name)
+        print(f"fused kernel not built here ({cpu_fused.unavailable_reason()}): engine_fused and the rest left out")
+    else:
+        if not cpu_fused.pairs_bf16():
+            CANDIDATES.pop("engine_paired")
+        if not cpu_fused.tiles_bf16():
+            CANDIDATES.pop("engine_tiles")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, rank {RANK}, "
         f"{MAX_LORAS} slots; ms per decoder block (qkv + o + gate_up + down), median"
@@ -326,7 +351,7 @@ def main() -> None:
 
             steps: dict[str, Callable[[], None]] = {}
             for name, fn in CANDIDATES.items():
-                if args.only and name not in args.only.split(","):
+                if (args.only and name not in args.only.split(",")) or (name in BF16_ONLY and dtype != torch.bfloat16):
                     continue
                 for compute in computes if name not in STACK_DTYPE_ONLY else [None]:
                     label = name
