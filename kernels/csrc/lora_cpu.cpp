@@ -443,6 +443,24 @@ inline void tile_prefetch(const char* b, int64_t ldb, int64_t rows) {
     for (int c = 0; c < NB; ++c) __builtin_prefetch(reinterpret_cast<const void*>(at + r * ldb + 64 * c));
 }
 
+// One step of a pass in tile_pass: the activations' tile TA from a, then each column block's
+// stacks into TB0 and TB1 in turn, multiplied into C tiles 0..NB-1. A macro: GCC's tile
+// intrinsics paste the tile's number into the instruction's text, so it must be a literal.
+#define LORAPLEX_TILE_STEP(TA, TB0, TB1, a, b)       \
+  do {                                               \
+    _tile_loadd(TA, a, a_stride);                    \
+    _tile_loadd(TB0, b, ldb);                        \
+    _tile_dpbf16ps(0, TA, TB0);                      \
+    if constexpr (NB > 1) {                          \
+      _tile_loadd(TB1, (b) + 64, ldb);               \
+      _tile_dpbf16ps(1, TA, TB1);                    \
+    }                                                \
+    if constexpr (NB > 2) {                          \
+      _tile_loadd(TB0, (b) + 128, ldb);              \
+      _tile_dpbf16ps(2, TA, TB0);                    \
+    }                                                \
+  } while (0)
+
 template <int NB>
 inline void tile_pass(const c10::BFloat16* a, int64_t a_stride, int64_t pairs, const c10::BFloat16* w, int64_t ldw,
                       int64_t c0, float* c, int64_t c_stride) {
@@ -458,36 +476,17 @@ inline void tile_pass(const c10::BFloat16* a, int64_t a_stride, int64_t pairs, c
       tile_prefetch<NB>(b + TK * ldb, ldb, std::min<int64_t>(TK, pairs - k - TK));
     else
       tile_prefetch<3>(next_pass, ldb, std::min<int64_t>(TK, pairs));
-    _tile_loadd(3, a + 2 * k, a_stride);
-    _tile_loadd(4, b, ldb);
-    _tile_dpbf16ps(0, 3, 4);
-    if constexpr (NB > 1) {
-      _tile_loadd(5, b + 64, ldb);
-      _tile_dpbf16ps(1, 3, 5);
-    }
-    if constexpr (NB > 2) {
-      _tile_loadd(4, b + 128, ldb);
-      _tile_dpbf16ps(2, 3, 4);
-    }
+    LORAPLEX_TILE_STEP(3, 4, 5, a + 2 * k, b);
   }
-  if (full < pairs) {
+  if (full < pairs) {  // the last kr pairs: tiles 6 and 7, configured for them
     tile_prefetch<3>(next_pass, ldb, std::min<int64_t>(TK, pairs));
-    _tile_loadd(6, a + 2 * full, a_stride);
-    _tile_loadd(7, b, ldb);
-    _tile_dpbf16ps(0, 6, 7);
-    if constexpr (NB > 1) {
-      _tile_loadd(7, b + 64, ldb);
-      _tile_dpbf16ps(1, 6, 7);
-    }
-    if constexpr (NB > 2) {
-      _tile_loadd(7, b + 128, ldb);
-      _tile_dpbf16ps(2, 6, 7);
-    }
+    LORAPLEX_TILE_STEP(6, 7, 7, a + 2 * full, b);
   }
   _tile_stored(0, c, c_stride);
   if constexpr (NB > 1) _tile_stored(1, c + TN, c_stride);
   if constexpr (NB > 2) _tile_stored(2, c + 2 * TN, c_stride);
 }
+#undef LORAPLEX_TILE_STEP
 
 // Every whole block of 16 columns of w in passes of up to 3 blocks; `store(c0, acc, width)`
 // then takes acc [m rows of `width` columns, TN*3 floats apart]. Returns the columns done.
