@@ -33,9 +33,9 @@ AVX512-BF16 (Zen 4, Sapphire Rapids) bf16 on bf16 runs on vdpbf16ps pair dot pro
 multiply-adds per instruction, no widening of the activations (1.3-1.7x faster with the stacks
 in cache on a 2-core AMD EPYC), on stacks that keep their rows in pairs for it (pairs_bf16(),
 kernels/cpu_stacks.py); where it has AMX-BF16 too (Sapphire Rapids), runs of tokens of one
-adapter multiply on AMX tiles (tiles_bf16(); 1.6-1.7x faster on prefill than the pair passes).
-So a build serves only the machine it was made on, and the cache key includes the CPU's flags. `python -m kernels.cpu_fused`
-builds it (`make run` and `make test` run it; 16-65 s on 2 cores) into torch's extension cache
+adapter multiply on AMX tiles (tiles_bf16(); 1.6-1.7x faster on prefill than the pair passes on
+a 2-core Intel Xeon). So a build serves only the machine it was made on, and the cache key
+includes the CPU's flags. `python -m kernels.cpu_fused` builds it (`make run` and `make test` run it; 16-65 s on 2 cores) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
 if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the
 torch path serves instead.
@@ -110,7 +110,8 @@ def bind_stacks(
     paired: bool = False, tile_rows: int = 0,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
     """add_lora_fused with its stacks arguments bound once: `bound(out, x, token_ids, segments)`
-    does what `add_lora_fused(out, x, a_t, b_t, slices, offsets, token_ids, segments, paired)`
+    does what `add_lora_fused(out, x, a_t, b_t, slices, offsets, token_ids, segments, paired,
+    tile_rows)`
     does, checks included, called straight through pybind11 rather than the dispatcher (~0.3 vs
     ~2.8 us a call). None where fused_op() has not loaded the library; never builds."""
     module = _state.get("module")
@@ -120,9 +121,9 @@ def bind_stacks(
 
 
 def tiles_bf16() -> bool:
-    """Whether the loaded library multiplies paired bf16 stacks on AMX tiles (`tiles`: its build
-    has the AMX-BF16 path and Linux let this process use the tiles); False where fused_op() has
-    not loaded it; never builds."""
+    """Whether the loaded library multiplies paired bf16 stacks on AMX tiles where asked
+    (`tile_rows` > 0): its build has the AMX-BF16 path and Linux let this process use the tiles.
+    False where fused_op() has not loaded it; never builds."""
     module = _state.get("module")
     return module is not None and module.tiles_bf16()
 

@@ -24,10 +24,12 @@ so the kernel loads a pair of rows as one vector (a projection's delta 4-15% fas
 EPYC, Zen 4: kernels/csrc/lora_cpu.cpp). That is also the layout an AMX tile multiply takes its
 second operand in (16 pair rows of 16 columns), so where the library has tiles (tiles_bf16())
 the kernel bound to paired stacks multiplies runs of at least `tile_rows` tokens of one adapter
-on them (0: never; the engine's matmul plan measures the threshold). They are no strided views of the kernels' API stacks:
-the per-slice views are 4-D ([max_loras, max_rank, in/2, 2], [max_loras, n_s, max_rank/2, 2]),
-`write_slice` fills a slot of either layout, `slice_rows` reads one back, and the torch path
-multiplies an unpaired copy (`unpaired()`: only where the fused kernel cannot serve them).
+on them (0: never; the engine's matmul plan measures the threshold).
+
+Paired stacks are no strided views of the kernels' API stacks: the per-slice views are 4-D
+([max_loras, max_rank, in/2, 2], [max_loras, n_s, max_rank/2, 2]), `write_slice` fills a slot
+of either layout, `slice_rows` reads one back, and the torch path multiplies an unpaired copy
+(`unpaired()`: only where the fused kernel cannot serve them).
 
 The layout is checked once, when the stacks are made; kernels.lora_ops.add_lora_cpu then
 checks per call only what changes per call (the activations, the output, the metadata).

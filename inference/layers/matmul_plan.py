@@ -27,7 +27,8 @@ kernel that computes it: torch ops, or the fused C++ kernel built for this CPU
 (`--lora-kernel`, env INFERENCE_LORA_KERNEL, forces one). Where the fused kernel wins on bf16
 stacks and the CPU has AMX (kernels/cpu_stacks.py: tiles), "amx" is that kernel with every run
 of at least `lora_tile_rows` tokens of one adapter multiplied on AMX tiles, the threshold timed
-too: tiles won 1.6-1.7x on prefill and lost 0.7-0.9x at 1-2 tokens an adapter (2-core Xeon).
+too: tiles won 1.6-1.7x on prefill and lost 0.7-0.9x at 1-2 tokens an adapter (2-core Intel
+Xeon with AMX).
 
 fp32 models, and CUDA, have nothing to choose: every class is native. `--matmul-path` (env
 INFERENCE_MATMUL_PATH) forces one path for every class (tests run the oracles under each).
