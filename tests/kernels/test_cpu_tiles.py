@@ -142,3 +142,17 @@ def test_onednn_s_amx_products_stay_right_around_the_tiles(tiles):
     for t in threads:
         t.join()
     assert not failures, failures[:4]
+
+
+def test_a_build_without_tiles_refuses_them_rather_than_misreading():
+    """On a CPU without AMX-BF16 (or an OS that withholds the tiles) a call asking for tile
+    products is refused with the reason, out untouched; the plan never asks there."""
+    op = cpu_fused.fused_op()
+    if op is None or cpu_fused.tiles_bf16():
+        pytest.skip("this build has tiles (or no kernel at all)")
+    stacks, _, _ = lora_ops.cpu_stacks(1, 4, 16, [32], torch.bfloat16, cpu_fused.pairs_bf16())
+    out = torch.zeros(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="tile products take paired stacks, on a CPU with AMX-BF16"):
+        op(out, torch.randn(2, 16).bfloat16(), stacks.a_t, list(stacks.b_t), [0], [0], torch.tensor([0, 1]),
+           torch.tensor([[0, 2, 0, 4]]), paired=stacks.paired, tile_rows=1)
+    assert not out.any()
