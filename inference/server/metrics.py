@@ -109,6 +109,7 @@ class ServerMetrics:
               registry=self.registry).labels(*map(str, info.values())).set(1)
         # Which matmul path each shape class runs on this CPU (measured at start-up or forced);
         # the "lora" class's path is the LoRA stacks' dtype, "lora_kernel"'s the delta's kernel,
+        # "lora_tile_rows"'s from how many tokens of one adapter "amx" multiplies on tiles (0: never),
         # "attention_kernel"'s how decode rows attend, "prefill_attention_kernel"'s how prefill chunks do,
         # "quant_kernel"'s what multiplies int8/int4 weights, "dense_layout"'s how dense weights lie.
         plan = llm.matmul_plan.describe()
@@ -117,6 +118,7 @@ class ServerMetrics:
                        registry=self.registry)
         for shape_class, path in [*plan["paths"].items(), ("lora", plan["lora_dtype"]),
                                   ("lora_kernel", plan["lora_kernel"]),
+                                  ("lora_tile_rows", str(plan["lora_tile_rows"])),
                                   ("attention_kernel", plan["attention_kernel"]),
                                   ("prefill_attention_kernel", plan["prefill_attention_kernel"]),
                                   ("quant_kernel", plan["quant_kernel"]),

@@ -163,8 +163,10 @@ def test_base_model_route_describes_what_an_adapter_must_match(lora_server):
     assert lora_server.metric("loraplex:matmul_plan_info", shape_class="lora", path="float32") == 1
     # ... and which kernel adds the LoRA delta (measured: the fused C++ one or torch ops)
     kernel = body["matmul_plan"]["lora_kernel"]
-    assert kernel in ("fused", "torch")
+    assert kernel in ("fused", "torch")  # fp32 stacks: never amx's tiles
     assert lora_server.metric("loraplex:matmul_plan_info", shape_class="lora_kernel", path=kernel) == 1
+    assert body["matmul_plan"]["lora_tile_rows"] == 0
+    assert lora_server.metric("loraplex:matmul_plan_info", shape_class="lora_tile_rows", path="0") == 1
     # ... and how decode rows attend (the fused paged kernel or torch's gather + SDPA)
     attention = body["matmul_plan"]["attention_kernel"]
     assert attention in ("fused", "torch")
