@@ -60,14 +60,14 @@ from pathlib import Path
 import torch
 
 __all__ = ["ATTENTION_DTYPES", "DTYPES", "PAIRED_DTYPES", "attention_op", "bind_stacks", "fused_op", "layer_ops",
-           "pairs_bf16", "prefill_attention_op", "tiles_bf16", "unavailable_reason", "vector_width"]
+           "pairs_bf16", "prefill_attention_op", "slot_ops", "tiles_bf16", "unavailable_reason", "vector_width"]
 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # every kernel above, built into one library
 SOURCES = [_CSRC / "lora_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp",
-           _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp", _CSRC / "bindings.cpp"]
+           _CSRC / "quant_cpu.cpp", _CSRC / "layer_cpu.cpp", _CSRC / "pairs_cpu.cpp", _CSRC / "bindings.cpp"]
 HEADERS = [_CSRC / "ops.h", _CSRC / "cpu_vec.h", _CSRC / "paged_attention.h"]  # what they include: part of the build key too
 # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to
 # the copy torch already loaded (one OpenMP runtime, torch's thread count).
@@ -118,6 +118,13 @@ def bind_stacks(
     if module is None:
         return None
     return module.BoundStacks(a_t, list(b_t), list(slices), list(offsets), paired, tile_rows).add
+
+
+def slot_ops():
+    """The library's write_paired_slot and read_paired_slot (kernels/csrc/pairs_cpu.cpp: an
+    adapter's rows into and out of a slot of paired stacks, one call a projection) where
+    fused_op() has loaded it, else None; never builds."""
+    return _state.get("module")
 
 
 def tiles_bf16() -> bool:

@@ -137,6 +137,37 @@ class CpuStacks:
         b_pairs[:half].T.copy_(_as_pairs(F.pad(b, (0, r % 2)) if r % 2 else b))  # [n_s, half]
         b_pairs[half:].zero_()
 
+    def write_slot(self, slot: int, weights: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Every slice of `slot`: weights[s] = (A [r, in], B [n_s, r]) as write_slice takes them, or
+        None (all zero). Paired stacks: one pass over the slot in the kernels' library
+        (cpu_fused.slot_ops(); ~20 torch ops a slice otherwise); else slice by slice."""
+        if len(weights) != self.num_slices:
+            raise ValueError(f"weights: {len(weights)} entries for {self.num_slices} slices")
+        ops = cpu_fused.slot_ops() if self.paired else None
+        if ops is None:
+            for s, w in enumerate(weights):
+                self.write_slice(s, slot, *(w or (None, None)))
+            return
+        widths = [b.shape[2] // 2 for b in self.b_t]
+        a = [_bf16_rows(w[0]) if w else self.a_t.new_empty(0, self.in_features) for w in weights]
+        b = [_bf16_rows(w[1]) if w else self.a_t.new_empty(n, 0) for w, n in zip(weights, widths, strict=True)]
+        ops.write_paired_slot(self.a_t, list(self.b_t), slot, a, b)
+
+    def read_slot(
+        self, slot: int, rank: int, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Paired stacks' every slice of `slot` at `rank`, copied out in one pass of the kernels'
+        library into memory from `empty(shape, dtype)`: per slice (A [rank, in], B [n_s, rank]),
+        bf16 (A: views of one [S, rank, in] block). None where they are not paired or the library
+        is not loaded."""
+        ops = cpu_fused.slot_ops() if self.paired else None
+        if ops is None:
+            return None
+        a = empty((self.num_slices, rank, self.in_features), torch.bfloat16)
+        b = [empty((bt.shape[2] // 2, rank), torch.bfloat16) for bt in self.b_t]
+        ops.read_paired_slot(self.a_t, list(self.b_t), slot, rank, list(a.unbind(0)), b)
+        return list(zip(a.unbind(0), b, strict=True))
+
     def slice_rows(self, s: int, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slice s's rows in `slot` up to `rank`: (A [rank, in], B [n_s, rank]), views of the
         stacks, or of paired stacks copies."""
@@ -189,6 +220,10 @@ class CpuStacks:
         if not index or list(index) != sorted(set(index)) or not 0 <= index[0] <= index[-1] < self.num_slices:
             raise ValueError(f"index must name 1 to {self.num_slices} distinct slices in order, got {index}")
         return replace(self, index=index)
+
+
+def _bf16_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).contiguous()
 
 
 def _as_pairs(t: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ from kernels.metadata import LoRABatchMetadata
 SliceWeights = tuple[torch.Tensor, torch.Tensor] | None
 # (source, dtype) -> a contiguous copy of the source in dtype (a HostArena's copy)
 CopyOut = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # memory to copy into (contents undefined)
 
 
 class LoRALinear(Linear):
@@ -107,10 +108,20 @@ class LoRALinear(Linear):
         """Put one adapter's matrices (one entry per slice, in slice_names order) in `slot`."""
         if len(weights) != len(self.output_sizes):
             raise ValueError(f"weights: {len(weights)} entries for {len(self.output_sizes)} slices")
+        if self._cpu_stacks is not None:  # either of its layouts (see CpuStacks.write_slot)
+            self._cpu_stacks.write_slot(slot, weights)
+        else:
+            self._set_device_slot(slot, weights)
         for i, w in enumerate(weights):
-            if self._cpu_stacks is not None:  # either of its layouts (see CpuStacks.write_slice)
-                self._cpu_stacks.write_slice(i, slot, *(w or (None, None)))
-            elif w is None:
+            if w is None:
+                self._filled[i].discard(slot)
+            else:
+                self._filled[i].add(slot)
+        self._refresh()
+
+    def _set_device_slot(self, slot: int, weights: Sequence[SliceWeights]) -> None:
+        for i, w in enumerate(weights):
+            if w is None:
                 self.lora_a[i][slot].zero_()
                 self.lora_b[i][slot].zero_()
             else:  # each element written once: the adapter's rows, then zeros past its rank
@@ -121,11 +132,6 @@ class LoRALinear(Linear):
                 if r < self.lora_a[i].shape[1]:
                     self.lora_a[i][slot, r:].zero_()
                     self.lora_b[i][slot, :, r:].zero_()
-            if w is None:
-                self._filled[i].discard(slot)
-            else:
-                self._filled[i].add(slot)
-        self._refresh()
 
     def clear_slot(self, slot: int, *, zero: bool = True) -> None:
         """Empty `slot`: its delta is no longer added. zero=False leaves its rows as they are,
@@ -152,19 +158,21 @@ class LoRALinear(Linear):
                 stack[slot].zero_()
 
     def copy_slot(
-        self, slot: int, rank: int, dtype: torch.dtype, copy: CopyOut
+        self, slot: int, rank: int, dtype: torch.dtype, copy: CopyOut, empty: Empty | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every slice's rows of `slot` at `rank`, copied out in `dtype` by `copy`: per slice
         (A [rank, in], B [n_s, rank]), views of one copy of the CPU stacks' slot (one contiguous
-        pass for A and one per slice for B, not one strided copy per slice; paired stacks:
-        slice by slice, copy_slice). None where that copy would hold more than those views show
-        (not on the CPU, or `rank` beyond the stacks')."""
+        pass for A and one per slice for B, not one strided copy per slice; paired stacks in
+        bf16: one pass of the kernels' library into memory from `empty`, CpuStacks.read_slot;
+        else slice by slice, copy_slice). None where that copy would hold more than those views
+        show (not on the CPU, or `rank` beyond the stacks')."""
         stacks = self._cpu_stacks
         if stacks is None or not 1 <= rank <= stacks.max_rank:
             return None
         n = stacks.num_slices
-        if stacks.paired:  # no view shows a paired row as [rank, in]: slice by slice
-            return [self.copy_slice(s, slot, rank, dtype, copy) for s in range(n)]
+        if stacks.paired:  # no view shows a paired row as [rank, in]
+            read = stacks.read_slot(slot, rank, empty) if empty is not None and dtype == torch.bfloat16 else None
+            return read or [self.copy_slice(s, slot, rank, dtype, copy) for s in range(n)]
         a_t = copy(stacks.a_t[slot, :, : rank * n], dtype)  # [in, rank·S], rank-major
         return [(a_t[:, s::n].T, copy(stacks.b_t[s][slot, :rank], dtype).T) for s in range(n)]
 

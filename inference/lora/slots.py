@@ -131,7 +131,7 @@ class LoRASlots:
                 and len({w.rank for w in found}) == 1
                 and len({t.dtype for w in found for t in (w.a, w.b)}) == 1
             ):
-                whole = projection.copy_slot(slot, found[0].rank, found[0].a.dtype, arena.copy)
+                whole = projection.copy_slot(slot, found[0].rank, found[0].a.dtype, arena.copy, arena.empty)
             for i, w in enumerate(found):
                 if w is None:
                     continue

@@ -57,6 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &BoundStacks::add, "out"_a, "x"_a, "token_ids"_a, "segments"_a, NoGil());
   m.def("pairs_bf16", &ops::pairs_bf16);
   m.def("tiles_bf16", &ops::tiles_bf16);
+  m.def("write_paired_slot", &ops::write_paired_slot, "a_t"_a, "b_t"_a, "slot"_a, "a"_a, "b"_a, NoGil());
+  m.def("read_paired_slot", &ops::read_paired_slot, "a_t"_a, "b_t"_a, "slot"_a, "rank"_a, "a"_a, "b"_a, NoGil());
   m.def("paged_decode_attention", &ops::paged_decode_attention, "out"_a, "q"_a, "k_cache"_a, "v_cache"_a, "rows"_a,
         "block_tables"_a, "context_lens"_a, "scale"_a, NoGil());
   m.def("paged_prefill_attention", &ops::paged_prefill_attention, "out"_a, "q"_a, "k_cache"_a, "v_cache"_a,

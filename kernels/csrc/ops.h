@@ -20,6 +20,12 @@ void add_lora_fused(at::Tensor out, const at::Tensor& x, const at::Tensor& a_t, 
 bool pairs_bf16();
 bool tiles_bf16();
 
+// pairs_cpu.cpp: one adapter's rows into / out of a slot of paired stacks, every slice at once
+void write_paired_slot(at::Tensor a_t, std::vector<at::Tensor> b_t, int64_t slot, std::vector<at::Tensor> a,
+                       std::vector<at::Tensor> b);
+void read_paired_slot(const at::Tensor& a_t, const std::vector<at::Tensor>& b_t, int64_t slot, int64_t rank,
+                      std::vector<at::Tensor> a, std::vector<at::Tensor> b);
+
 // attention_cpu.cpp, prefill_attention_cpu.cpp: attention over the paged KV cache, in place in out
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,

@@ -96,3 +96,60 @@ def test_paired_stacks_hold_the_rows_unpaired_ones_hold():
 def test_stacks_that_cannot_pair_are_refused_when_made(dtype, in_features, max_rank):
     with pytest.raises(ValueError, match="paired stacks are bf16 with even in_features and max_rank"):
         cpu_stacks(2, max_rank, in_features, SIZES, dtype, paired=True)
+
+
+def _paired_or_skip(max_loras=3, max_rank=16, in_features=40):
+    from kernels import cpu_fused
+
+    if cpu_fused.fused_op() is None or not cpu_fused.pairs_bf16():
+        pytest.skip("this CPU's build has no AVX512-BF16 path: stacks are never paired")
+    return cpu_stacks(max_loras, max_rank, in_features, SIZES, torch.bfloat16, paired=True)[0]
+
+
+@pytest.mark.parametrize("ranks", [(16, 16, 16), (3, 3, 3), (8, None, 5), (None, None, None)])
+def test_a_whole_slot_written_in_one_pass_equals_slice_by_slice(ranks):
+    """write_slot (the kernels' library, one call a projection) leaves every byte of the stacks
+    as write_slice leaves it: over a slot full of another adapter, at odd ranks, with slices
+    not adapted (None: zero), the other slots untouched."""
+    one, by_slice = _paired_or_skip(), _paired_or_skip()
+    for stacks in (one, by_slice):
+        for slot in range(3):
+            for s, (a, b) in enumerate(_adapter(16, 40, seed=slot)):
+                stacks.write_slice(s, slot, a, b)
+    # fp32 rows, B's a strided view: converted as write_slice converts them
+    weights = [None if r is None else (a[:r], b[:, :r]) for r, (a, b) in zip(ranks, _adapter(16, 40, seed=7), strict=True)]
+    one.write_slot(1, weights)
+    for s, w in enumerate(weights):
+        by_slice.write_slice(s, 1, *(w or (None, None)))
+    assert torch.equal(one.a_t, by_slice.a_t)
+    assert all(torch.equal(x, y) for x, y in zip(one.b_t, by_slice.b_t, strict=True))
+
+
+@pytest.mark.parametrize("rank", [16, 6, 3])
+def test_a_whole_slot_reads_out_in_one_pass_as_slice_by_slice(rank):
+    stacks = _paired_or_skip()
+    for slot in range(3):
+        stacks.write_slot(slot, _adapter(rank if slot == 2 else 16, 40, seed=slot))
+    read = stacks.read_slot(2, rank, lambda shape, dtype: torch.full(shape, 7.0, dtype=dtype))
+    for s, (a, b) in enumerate(read):
+        want_a, want_b = stacks.slice_rows(s, 2, rank)
+        assert torch.equal(a, want_a) and torch.equal(b, want_b)
+        assert (a.shape, b.shape) == ((rank, 40), (SIZES[s], rank)) and a.is_contiguous() and b.is_contiguous()
+
+
+def test_a_whole_slot_write_refuses_rows_that_do_not_fit_and_writes_nothing():
+    stacks = _paired_or_skip()
+    before = stacks.a_t.clone(), [b.clone() for b in stacks.b_t]
+    weights = _adapter(4, 40, seed=1)
+    for bad, message in [
+        ([*weights[:2], (weights[2][0], weights[2][1][:5])], "each B must be"),  # B of another width
+        ([*weights[:2], (torch.randn(4, 38), weights[2][1])], "each A must be"),  # A of another in
+        ([*weights[:2], (torch.randn(17, 40), torch.randn(17, 17))], "each A must be"),  # rank past max
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            stacks.write_slot(0, bad)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        stacks.write_slot(3, weights)
+    with pytest.raises(ValueError, match="weights: 2 entries for 3 slices"):
+        stacks.write_slot(0, weights[:2])
+    assert torch.equal(stacks.a_t, before[0]) and all(torch.equal(x, y) for x, y in zip(stacks.b_t, before[1], strict=True))

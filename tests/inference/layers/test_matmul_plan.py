@@ -186,7 +186,9 @@ def test_the_lora_kernel_is_forced_or_the_faster_one(tiny_dir):
     timed = upcast.timings["lora_kernel"]
     assert set(timed) == {"torch", "fused", "fused-bfloat16"}
     best = min(timed, key=timed.get)
-    assert upcast.lora_kernel == best.split("-")[0]
+    # fused on bf16 stacks goes on to amx where the CPU has tiles and they win from some run length
+    tiled = best == "fused-bfloat16" and upcast.lora_tile_rows > 0
+    assert upcast.lora_kernel == ("amx" if tiled else best.split("-")[0])
     assert upcast.lora_dtype == (torch.bfloat16 if best == "fused-bfloat16" else torch.float32)
 
 
