@@ -590,6 +590,16 @@ inline void item_tiles(const Args& g, const c10::BFloat16* x, c10::BFloat16* out
 #endif
 #endif
 
+// This thread's scratch of at least n elements (contents undefined), kept from call to call: a
+// decode step makes 120 calls, each on both threads, and fresh zeroed buffers (up to 49 KiB of
+// gathered rows) cost more than a one-token item's products. `Which` tells two of one type apart.
+template <typename T, int Which = 0>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
 template <typename X, typename W>
 void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std::vector<at::Tensor>& b_t,
          Args g, const at::Tensor& token_ids, const at::Tensor& segments) {
@@ -609,11 +619,11 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
   std::vector<const W*> b_base;
   for (int64_t sl : g.slices) b_base.push_back(b_t[sl].data_ptr<W>());
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(MB * g.lda);
-    std::vector<c10::BFloat16> hb(item_tokens * (g.lda + g.max_rank));
+    float* h = scratch<float>(MB * g.lda);
+    c10::BFloat16* hb = scratch<c10::BFloat16>(item_tokens * (g.lda + g.max_rank));
     std::vector<const W*> b_slot(g.slices.size());
 #ifdef LORAPLEX_TILES
-    std::vector<c10::BFloat16> xs(g.tile_rows > 0 ? TM * g.in : 0);
+    c10::BFloat16* xs = scratch<c10::BFloat16, 1>(g.tile_rows > 0 ? TM * g.in : 0);
     alignas(64) float acc[TM * 3 * TN];
 #endif
     for (int64_t it = begin; it < end; ++it) {
@@ -626,7 +636,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
 #ifdef LORAPLEX_TILES
       if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) {
         if (g.tile_rows > 0 && m >= g.tile_rows) {
-          item_tiles(g, xp, op, item_ids, static_cast<int>(m), a_slot, b_slot, rank, xs.data(), hb.data(), acc);
+          item_tiles(g, xp, op, item_ids, static_cast<int>(m), a_slot, b_slot, rank, xs, hb, acc);
           continue;
         }
       }
@@ -637,16 +647,16 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
   case K:                                                                             \
     if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) { \
       if (g.paired)                                                                     \
-        item_dp<K, true>(g, xp, op, item_ids, a_slot, b_slot, rank, hb.data());         \
+        item_dp<K, true>(g, xp, op, item_ids, a_slot, b_slot, rank, hb);         \
       else                                                                              \
-        item_dp<K, false>(g, xp, op, item_ids, a_slot, b_slot, rank, hb.data());        \
+        item_dp<K, false>(g, xp, op, item_ids, a_slot, b_slot, rank, hb);        \
     } else                                                                              \
-      item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data());                   \
+      item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h);                   \
     break;
 #else
 #define LORAPLEX_ITEM(K) \
   case K:                \
-    item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h.data()); \
+    item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h); \
     break;
 #endif
         LORAPLEX_ITEM(1) LORAPLEX_ITEM(2) LORAPLEX_ITEM(3) LORAPLEX_ITEM(4)
