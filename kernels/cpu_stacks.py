@@ -223,7 +223,10 @@ class CpuStacks:
 
 
 def _bf16_rows(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.bfloat16).contiguous()
+    """t as contiguous bf16 starting on a 4-byte boundary: write_paired_slot moves A's bf16 pairs
+    as 32-bit words (a contiguous view at an odd element offset is copied)."""
+    t = t.to(torch.bfloat16).contiguous()
+    return t if t.data_ptr() % 4 == 0 else t.clone()
 
 
 def _as_pairs(t: torch.Tensor) -> torch.Tensor:

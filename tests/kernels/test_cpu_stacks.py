@@ -137,6 +137,19 @@ def test_a_whole_slot_reads_out_in_one_pass_as_slice_by_slice(rank):
         assert (a.shape, b.shape) == ((rank, 40), (SIZES[s], rank)) and a.is_contiguous() and b.is_contiguous()
 
 
+def test_a_whole_slot_takes_rows_at_an_odd_offset():
+    one, by_slice = _paired_or_skip(), _paired_or_skip()
+    weights = _adapter(5, 40, seed=5)
+    flat = torch.zeros(1 + 5 * 40, dtype=torch.bfloat16)
+    flat[1:] = weights[0][0].flatten()
+    odd = flat[1:].view(5, 40)  # contiguous, 2 bytes past a 4-byte boundary
+    assert odd.is_contiguous() and odd.data_ptr() % 4 == 2
+    one.write_slot(0, [(odd, weights[0][1]), *weights[1:]])
+    for s, (a, b) in enumerate(weights):
+        by_slice.write_slice(s, 0, a, b)
+    assert torch.equal(one.a_t, by_slice.a_t)
+
+
 def test_a_whole_slot_write_refuses_rows_that_do_not_fit_and_writes_nothing():
     stacks = _paired_or_skip()
     before = stacks.a_t.clone(), [b.clone() for b in stacks.b_t]
