@@ -35,8 +35,9 @@ in cache on a 2-core AMD EPYC), on stacks that keep their rows in pairs for it (
 kernels/cpu_stacks.py); where it has AMX-BF16 too (Sapphire Rapids), runs of tokens of one
 adapter multiply on AMX tiles (tiles_bf16(); 1.6-1.7x faster on prefill than the pair passes on
 a 2-core Intel Xeon). So a build serves only the machine it was made on, and the cache key
-includes the CPU's flags. `python -m kernels.cpu_fused` builds it (`make run` and `make test` run it; 16-65 s on 2 cores) into torch's extension cache
-(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
+includes the CPU's flags. `python -m kernels.cpu_fused` builds it (`make run` and `make test`
+run it; 16-65 s on 2 cores) into torch's extension cache (~/.cache/torch_extensions, or
+$TORCH_EXTENSIONS_DIR). `fused_op()` loads it, building it first
 if needed. Without a compiler it returns None and says why (`unavailable_reason()`), and the
 torch path serves instead.
 
@@ -111,9 +112,9 @@ def bind_stacks(
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
     """add_lora_fused with its stacks arguments bound once: `bound(out, x, token_ids, segments)`
     does what `add_lora_fused(out, x, a_t, b_t, slices, offsets, token_ids, segments, paired,
-    tile_rows)`
-    does, checks included, called straight through pybind11 rather than the dispatcher (~0.3 vs
-    ~2.8 us a call). None where fused_op() has not loaded the library; never builds."""
+    tile_rows)` does, checks included, called straight through pybind11 rather than the
+    dispatcher (~0.3 vs ~2.8 us a call). None where fused_op() has not loaded the library; never
+    builds."""
     module = _state.get("module")
     if module is None:
         return None

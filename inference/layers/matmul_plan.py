@@ -232,9 +232,9 @@ def with_lora_kernel(
     seconds = race(candidates)
     best = min(seconds, key=seconds.get)
     timings = {**plan.timings, "lora_kernel": seconds}
-    if best == narrow:
-        return _with_tiles(replace(plan, lora_kernel=FUSED_KERNEL, lora_dtype=dtype, timings=timings), projections, rank)
-    return _with_tiles(replace(plan, lora_kernel=best, timings=timings), projections, rank)
+    lora_dtype = dtype if best == narrow else plan.lora_dtype
+    kernel = FUSED_KERNEL if best == narrow else best
+    return _with_tiles(replace(plan, lora_kernel=kernel, lora_dtype=lora_dtype, timings=timings), projections, rank)
 
 
 def _with_tiles(plan: MatmulPlan, projections: list[tuple[int, list[int]]], rank: int) -> MatmulPlan:
@@ -259,9 +259,10 @@ def _tile_rows(projections: list[tuple[int, list[int]]], rank: int) -> tuple[int
     costs about the same at 1 row as at 16, so they win on prefill chunks and lose on a few
     tokens an adapter."""
     timings: dict[str, float] = {}
-    rows_won = 0
+    rows_won, slots = 0, 8
+    stacks = [_race_stacks(slots, rank, in_features, sizes, torch.bfloat16, True) for in_features, sizes in projections]
     for rows in TILE_ROWS_TIMED:
-        seconds = race({"pairs": _tile_delta(projections, rank, rows, 0), "tiles": _tile_delta(projections, rank, rows, 1)})
+        seconds = race({"pairs": _tile_delta(stacks, rank, rows, 0), "tiles": _tile_delta(stacks, rank, rows, 1)})
         timings[f"pairs@{rows}"], timings[f"tiles@{rows}"] = seconds["pairs"], seconds["tiles"]
         if seconds["tiles"] >= seconds["pairs"]:
             break
@@ -269,17 +270,16 @@ def _tile_rows(projections: list[tuple[int, list[int]]], rank: int) -> tuple[int
     return rows_won, timings
 
 
-def _tile_delta(projections: list[tuple[int, list[int]]], rank: int, rows: int, tile_rows: int) -> Callable[[], object]:
-    """The fused kernel on paired bf16 stacks of 8 slots with `rows` tokens of each, interleaved
-    as a decode batch's are, `tile_rows` as CpuStacks takes it."""
-    slots = 8
+def _tile_delta(stacks: list[CpuStacks], rank: int, rows: int, tile_rows: int) -> Callable[[], object]:
+    """The fused kernel on `stacks` (paired bf16) with `rows` tokens of each slot, interleaved as
+    a decode batch's are, `tile_rows` as CpuStacks takes it."""
+    slots = stacks[0].max_loras
     meta = build_lora_metadata(torch.arange(slots * rows) % slots, torch.full((slots,), rank))
     calls = []
-    for in_features, sizes in projections:
-        stacks = replace(_race_stacks(slots, rank, in_features, sizes, torch.bfloat16, True), tile_rows=tile_rows)
-        x = torch.randn(meta.num_tokens, in_features).to(torch.bfloat16)
-        out = torch.zeros(meta.num_tokens, sum(sizes), dtype=torch.bfloat16)
-        calls.append((out, x, stacks, meta, FUSED_KERNEL))
+    for s in stacks:
+        x = torch.randn(meta.num_tokens, s.in_features).to(torch.bfloat16)
+        out = torch.zeros(meta.num_tokens, s.out_features, dtype=torch.bfloat16)
+        calls.append((out, x, replace(s, tile_rows=tile_rows), meta, FUSED_KERNEL))
     return lambda: [add_lora_cpu(*call) for call in calls]
 
 

@@ -60,6 +60,18 @@ constexpr int NC = 1;
 #endif
 constexpr int MB = 8;  // tokens per work item: MB vector accumulators stay in registers
 
+// Rows [0, m) in blocks of up to MB: CALL(M) for each block of M rows, its first row r0 in scope
+// (the loops take M as a template argument: their accumulators are registers)
+#define LORAPLEX_ROWS(m, CALL)                                       \
+  for (int r0 = 0; r0 < static_cast<int>(m); r0 += MB) {             \
+    switch (std::min<int>(MB, static_cast<int>(m) - r0)) {           \
+      case 1: CALL(1); break; case 2: CALL(2); break;                \
+      case 3: CALL(3); break; case 4: CALL(4); break;                \
+      case 5: CALL(5); break; case 6: CALL(6); break;                \
+      case 7: CALL(7); break; case 8: CALL(8); break;                \
+    }                                                                \
+  }
+
 // o[0:V] = round(o[0:V] + acc): fp32 rows add and store; bf16 ones round to nearest even (NaN
 // stays NaN), as c10::BFloat16 does element by element; others element by element.
 template <typename O>
@@ -413,8 +425,8 @@ inline TileConfig tile_config(int m, int kr) {
 }
 
 // The configuration loaded on this thread, reloaded only when another is asked for. oneDNN's
-// AMX kernels load their own and release the tiles when they end, so a call starts with none
-// (tiles_begin) and releases them too (tiles_end).
+// AMX kernels load their own and release the tiles when they end; so does a call of ours
+// (tiles_end), and the next one starts with none loaded.
 thread_local TileConfig tile_loaded;
 thread_local bool tile_is_loaded = false;
 
@@ -431,9 +443,6 @@ inline void tiles_end() {
   tile_is_loaded = false;
 }
 
-// c[t, 0:NB*16] = sum over K of a_t[k] * w[k, c0:...] for m rows: `pairs` pair rows of w (4*ldw
-// bytes apart, ldw: the columns of an unpaired row), a's rows `a_stride` bytes apart; then stored
-// into c (rows c_stride bytes apart). use_tiles(m, pairs % TK) must be loaded.
 // Asks for the NB blocks of `rows` pair rows at b (ldb bytes apart): a step's stacks, one step
 // ahead (in integers: the address may lie past the stacks; a prefetch never faults)
 template <int NB>
@@ -461,6 +470,10 @@ inline void tile_prefetch(const char* b, int64_t ldb, int64_t rows) {
     }                                                \
   } while (0)
 
+// c[t, 0:NB*16] = sum over K of a_t[k] * w[k, c0:...] for m rows: `pairs` pair rows of w (4*ldw
+// bytes apart, ldw: the columns of an unpaired row), a's rows `a_stride` bytes apart; then stored
+// into c (rows c_stride bytes apart). A configuration with tiles 6 and 7 for pairs % TK must be
+// loaded (use_tiles).
 template <int NB>
 inline void tile_pass(const c10::BFloat16* a, int64_t a_stride, int64_t pairs, const c10::BFloat16* w, int64_t ldw,
                       int64_t c0, float* c, int64_t c_stride) {
@@ -506,17 +519,6 @@ inline int64_t tile_columns(const c10::BFloat16* a, int64_t a_stride, int64_t pa
   }
   return whole;
 }
-
-// Rows [0, m) of a dp pass family in blocks of up to MB rows: fn.template operator()<M>(row0)
-#define LORAPLEX_ROWS(m, CALL)                                       \
-  for (int r0 = 0; r0 < (m); r0 += MB) {                             \
-    switch (std::min<int>(MB, (m) - r0)) {                           \
-      case 1: CALL(1); break; case 2: CALL(2); break;                \
-      case 3: CALL(3); break; case 4: CALL(4); break;                \
-      case 5: CALL(5); break; case 6: CALL(6); break;                \
-      case 7: CALL(7); break; case 8: CALL(8); break;                \
-    }                                                                \
-  }
 
 // item_dp() for up to TM tokens on paired stacks, on tiles. xs: scratch [TM, in] for scattered
 // tokens' rows; hb: [TM, lda + max_rank] bf16; acc: [TM, 3*TN] fp32.
@@ -586,7 +588,6 @@ inline void item_tiles(const Args& g, const c10::BFloat16* x, c10::BFloat16* out
     }
   }
 }
-#undef LORAPLEX_ROWS
 #endif
 #endif
 
@@ -641,28 +642,20 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const std:
         }
       }
 #endif
-      for (int64_t r0 = 0; r0 < m; r0 += MB, item_ids += MB) switch (std::min<int64_t>(MB, m - r0)) {
 #ifdef LORAPLEX_DPBF16
-#define LORAPLEX_ITEM(K)                                                              \
-  case K:                                                                             \
-    if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) { \
-      if (g.paired)                                                                     \
-        item_dp<K, true>(g, xp, op, item_ids, a_slot, b_slot, rank, hb);         \
-      else                                                                              \
-        item_dp<K, false>(g, xp, op, item_ids, a_slot, b_slot, rank, hb);        \
-    } else                                                                              \
-      item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h);                   \
-    break;
+#define LORAPLEX_ITEM(K)                                                                   \
+  if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, c10::BFloat16>) {   \
+    if (g.paired)                                                                          \
+      item_dp<K, true>(g, xp, op, item_ids + r0, a_slot, b_slot, rank, hb);                \
+    else                                                                                   \
+      item_dp<K, false>(g, xp, op, item_ids + r0, a_slot, b_slot, rank, hb);               \
+  } else                                                                                   \
+    item<K>(g, xp, op, item_ids + r0, a_slot, b_slot, rank, h)
 #else
-#define LORAPLEX_ITEM(K) \
-  case K:                \
-    item<K>(g, xp, op, item_ids, a_slot, b_slot, rank, h); \
-    break;
+#define LORAPLEX_ITEM(K) item<K>(g, xp, op, item_ids + r0, a_slot, b_slot, rank, h)
 #endif
-        LORAPLEX_ITEM(1) LORAPLEX_ITEM(2) LORAPLEX_ITEM(3) LORAPLEX_ITEM(4)
-        LORAPLEX_ITEM(5) LORAPLEX_ITEM(6) LORAPLEX_ITEM(7) LORAPLEX_ITEM(8)
+      LORAPLEX_ROWS(m, LORAPLEX_ITEM)
 #undef LORAPLEX_ITEM
-      }
     }
 #ifdef LORAPLEX_TILES
     tiles_end();

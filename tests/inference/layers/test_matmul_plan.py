@@ -222,7 +222,7 @@ def test_amx_is_forced_where_the_tiles_are_and_refused_with_the_reason_elsewhere
     assert auto.lora_kernel in ("torch", "fused") and auto.lora_tile_rows == 0
 
 
-def test_auto_puts_runs_on_tiles_from_the_fewest_tokens_at_which_they_win(tiny_dir):
+def test_auto_puts_runs_on_tiles_from_the_fewest_tokens_at_which_they_win():
     """Where the fused kernel wins on bf16 stacks and the CPU has tiles, the plan times tiles
     against pair passes from 16 tokens of one adapter down and takes the fewest at which they
     still win (its timings say so), or keeps the passes."""
