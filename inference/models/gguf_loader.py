@@ -1,7 +1,8 @@
 """GGUF file -> LlamaConfig + our state dict.
 
-Tensors are read with `gguf.GGUFReader` (memory-mapped) and dequantized with
-`gguf.quants.dequantize` to float32 one at a time (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and
+The header is read with inference/models/gguf_metadata.py (gguf.GGUFReader took 2-5 s of
+every engine's start parsing the vocabulary's strings into numpy views); the tensors stay in
+the memory-mapped file and are dequantized with `gguf.quants.dequantize` to float32 one at a time (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and
 the K-quants; whatever the `gguf` package can dequantize), then cast to the model dtype.
 
 Names (llama.cpp -> ours, N = layer):
@@ -30,10 +31,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from inference.models.config import LlamaConfig
+from inference.models.gguf_metadata import GGUFTensorInfo, read_gguf_header
 from inference.models.gguf_quants import INT4_TYPES, int4_groups
 from inference.models.weights import SourceNames, load_plan
 
@@ -53,7 +55,16 @@ GGUF_NAMES = SourceNames(
 )
 ROPE_FREQS = "rope_freqs.weight"
 
-# Metadata we read; token and merge lists are only counted, never decoded (that is slow).
+# The element types stored as plain arrays; every other type is read as its blocks' bytes
+# (what gguf.quants.dequantize takes, as GGUFReader hands them out)
+_PLAIN_DTYPES = {
+    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}  # fmt: skip
+
+# Metadata the config is made from (the token list only counted).
 _CONFIG_KEYS = (
     "general.architecture",
     "general.name",
@@ -87,11 +98,13 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(self.path)
-        except (ValueError, OSError, IndexError) as e:  # bad magic, truncated header/data
+            header = read_gguf_header(self.path)  # bad magic, truncated header or data: ValueError
+            self._file = np.memmap(self.path, dtype=np.uint8, mode="r")  # the tensors' bytes, mapped
+        except (ValueError, OSError) as e:
             raise ValueError(f"{self.path}: not a readable GGUF file ({e})") from e
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        meta = self._metadata()
+        self._endian = header.endian
+        self.tensors: dict[str, GGUFTensorInfo] = header.tensors
+        meta = self._metadata(header.metadata)
         freq_factors = None
         if ROPE_FREQS in self.tensors:
             freq_factors = tuple(float(f) for f in self._read(ROPE_FREQS).reshape(-1))
@@ -116,38 +129,48 @@ class GGUFCheckpoint:
         """Source tensors `load_state_dict` reads (for progress bars)."""
         return sum(len(sources) for sources in self.plan.values())
 
-    def _metadata(self) -> dict[str, Any]:
-        fields = self.reader.fields
-        meta = {key: fields[key].contents() for key in _CONFIG_KEYS if key in fields}
+    @staticmethod
+    def _metadata(fields: dict[str, Any]) -> dict[str, Any]:
+        meta = {key: fields[key] for key in _CONFIG_KEYS if key in fields}
         if "tokenizer.ggml.tokens" in fields:
-            meta["tokenizer.ggml.tokens"] = len(fields["tokenizer.ggml.tokens"].data)
+            meta["tokenizer.ggml.tokens"] = len(fields["tokenizer.ggml.tokens"])
         return meta
+
+    def _data(self, info: GGUFTensorInfo) -> np.ndarray:
+        """A tensor's bytes in the mapped file, viewed as GGUFReader views them: plain types as
+        their elements in PyTorch's shape (byte-swapped where the file is big-endian), block
+        types as [..., bytes of a row's blocks]."""
+        # a plain ndarray view: numpy's memmap subclass costs a Python call on every slice of it
+        raw = self._file[info.offset : info.offset + info.nbytes].view(np.ndarray)
+        plain = _PLAIN_DTYPES.get(info.type)
+        if plain is not None:
+            return raw.view(np.dtype(plain).newbyteorder(self._endian)).reshape(info.shape)
+        return raw.reshape(quant_shape_to_byte_shape(info.shape, info.type))
 
     def _read(self, name: str) -> torch.Tensor:
         """One tensor, dequantized to float32, in PyTorch's [out, in] order."""
-        t = self.tensors.get(name)
-        if t is None:
+        info = self.tensors.get(name)
+        if info is None:
             raise ValueError(f"{self.path}: tensor {name!r} is missing")
         try:
-            values = dequantize(t.data, t.tensor_type)
+            values = dequantize(self._data(info), info.type)
         except NotImplementedError as e:
             raise ValueError(f"{self.path}: tensor {name!r}: {e}") from e
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
 
     def read_int4_groups(self, ours: str) -> tuple[torch.Tensor, ...] | None:
         """Our weight `ours` as int4 groups taken from the file's Q4_0/Q4_1 blocks as they are:
         (q [out, in] uint8 0..15, scale [out, in/32] f32, zero [out, in/32] f32), fused and
         Q/K-unpermuted like `load_state_dict`; None unless every source tensor is 4-bit."""
-        sources = [self.tensors[s] for s in self.plan[ours]]
-        if not all(t.tensor_type in INT4_TYPES for t in sources):
+        sources = {s: self.tensors[s] for s in self.plan[ours]}
+        if not all(t.type in INT4_TYPES for t in sources.values()):
             return None
         heads = {"attn_q": self.config.num_attention_heads, "attn_k": self.config.num_key_value_heads}
         parts = []
-        for t in sources:
-            cols, rows = (int(n) for n in t.shape.tolist())  # GGUF lists dims innermost first
-            groups = int4_groups(t.data, t.tensor_type, rows, cols)
-            role = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        for name, t in sources.items():
+            rows, cols = t.shape
+            groups = int4_groups(self._data(t), t.type, rows, cols)
+            role = name.split(".")[2] if name.startswith("blk.") else ""
             if role in heads:  # rows move whole: a row's groups go with it
                 groups = tuple(unpermute_qk(g, heads[role]) for g in groups)
             parts.append(groups)

@@ -1,14 +1,19 @@
-"""The fast GGUF metadata reader against the `gguf` package's own reader and writer."""
+"""The fast GGUF header reader (metadata and tensor places) against the `gguf` package's own
+reader and writer."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import struct
+
 import numpy as np
 import pytest
-from gguf import GGUFEndian, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFWriter
+from gguf.quants import quantize
 
-from inference.models.gguf_metadata import GGUFFormatError, read_gguf_metadata
+from inference.models.gguf_loader import GGUFCheckpoint
+from inference.models.gguf_metadata import GGUFFormatError, read_gguf_header, read_gguf_metadata
 
 
 def reader_values(path: Path) -> dict:
@@ -67,3 +72,105 @@ def test_not_gguf_and_truncated_files_are_rejected(smollm2_path: Path, tmp_path:
         truncated.write_bytes(f.read(200_000))  # cut inside the token list
     with pytest.raises(GGUFFormatError, match="truncated"):
         read_gguf_metadata(truncated)
+
+
+def assert_tensors_match_reader(path: Path) -> None:
+    """Every tensor's name, type, dims, place and bytes as GGUFReader finds them; the
+    checkpoint's view of its data is GGUFReader's array, dtype, shape and values."""
+    header, reader = read_gguf_header(path), GGUFReader(path)
+    assert list(header.tensors) == [t.name for t in reader.tensors]
+    checkpoint = GGUFCheckpoint.__new__(GGUFCheckpoint)  # its data view alone: no config needed
+    checkpoint._file, checkpoint._endian = np.memmap(path, dtype=np.uint8, mode="r"), header.endian
+    for theirs in reader.tensors:
+        ours = header.tensors[theirs.name]
+        assert (ours.type, ours.dims, ours.offset, ours.nbytes) == (
+            theirs.tensor_type, tuple(int(d) for d in theirs.shape), theirs.data_offset, theirs.n_bytes
+        ), theirs.name
+        data = checkpoint._data(ours)
+        assert data.dtype == theirs.data.dtype and data.shape == theirs.data.shape, theirs.name
+        assert np.array_equal(data, theirs.data), theirs.name
+
+
+def write_tensors(path: Path, endian: GGUFEndian = GGUFEndian.LITTLE, alignment: int | None = None) -> Path:
+    """Plain and block-quantised tensors of several shapes, in one file."""
+    writer = GGUFWriter(path, "llama", endianess=endian)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    gen = np.random.default_rng(0)
+    writer.add_tensor("f32", gen.standard_normal((3, 5)).astype(np.float32))
+    writer.add_tensor("f16", gen.standard_normal((7,)).astype(np.float16))
+    writer.add_tensor("i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+    for qtype, shape in ((GGMLQuantizationType.Q8_0, (4, 64)), (GGMLQuantizationType.Q4_1, (2, 3, 32))):
+        blocks = quantize(gen.standard_normal(shape).astype(np.float32), qtype)
+        writer.add_tensor(qtype.name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("endian", [GGUFEndian.LITTLE, GGUFEndian.BIG])
+def test_tensor_places_and_bytes_match_gguf_reader(tmp_path: Path, endian: GGUFEndian) -> None:
+    path = write_tensors(tmp_path / "tensors.gguf", endian)
+    assert_tensors_match_reader(path)
+    header = read_gguf_header(path)
+    assert header.tensors["f32"].shape == (3, 5) and header.tensors["Q4_1"].shape == (2, 3, 32)
+    assert read_gguf_metadata(path) == header.metadata
+
+
+def test_a_custom_alignment_moves_the_data_start(tmp_path: Path) -> None:
+    path = write_tensors(tmp_path / "aligned.gguf", alignment=256)
+    assert all(info.offset % 256 == 0 for info in read_gguf_header(path).tensors.values())
+    assert_tensors_match_reader(path)
+
+
+def test_real_model_tensors_match_gguf_reader(smollm2_path: Path) -> None:
+    assert_tensors_match_reader(smollm2_path)
+    assert len(read_gguf_header(smollm2_path).tensors) == 272
+
+
+def patched(path: Path, old: bytes, new: bytes) -> Path:
+    data = path.read_bytes()
+    assert data.count(old) == 1, old
+    path.write_bytes(data.replace(old, new))
+    return path
+
+
+def test_bad_tensor_headers_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    good = write_tensors(tmp_path / "good.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good[:-100])  # the last tensor's blocks run past the end
+    with pytest.raises(GGUFFormatError, match="'Q4_1' runs past the end of the file"):
+        read_gguf_header(cut)
+    assert read_gguf_metadata(cut) == read_gguf_metadata(tmp_path / "good.gguf")  # the tokenizer's read is unaffected
+
+    twice = (tmp_path / "twice.gguf")
+    twice.write_bytes(good)
+    patched(twice, struct.pack("<Q", 3) + b"f16", struct.pack("<Q", 3) + b"f32")
+    with pytest.raises(GGUFFormatError, match="'f32' is listed twice"):
+        read_gguf_header(twice)
+
+    unknown = tmp_path / "unknown.gguf"
+    unknown.write_bytes(good)
+    # i32's entry: name, 2 dims (3, 2), then its type
+    entry = struct.pack("<Q", 3) + b"i32" + struct.pack("<IQQ", 2, 3, 2)
+    patched(unknown, entry + struct.pack("<I", GGMLQuantizationType.I32), entry + struct.pack("<I", 999))
+    with pytest.raises(GGUFFormatError, match="'i32' has an unknown type 999"):
+        read_gguf_header(unknown)
+
+    partial = tmp_path / "partial.gguf"
+    partial.write_bytes(good)
+    q8 = struct.pack("<Q", 4) + b"Q8_0" + struct.pack("<IQQ", 2, 64, 4)
+    patched(partial, q8, struct.pack("<Q", 4) + b"Q8_0" + struct.pack("<IQQ", 2, 48, 4))
+    with pytest.raises(GGUFFormatError, match="rows of 48 are not whole Q8_0 blocks"):
+        read_gguf_header(partial)
+
+
+def test_a_bad_alignment_is_refused(tmp_path: Path) -> None:
+    path = write_tensors(tmp_path / "zero.gguf", alignment=256)
+    patched(path, b"general.alignment" + struct.pack("<II", 4, 256), b"general.alignment" + struct.pack("<II", 4, 0))
+    with pytest.raises(GGUFFormatError, match="general.alignment must be a positive integer, got 0"):
+        read_gguf_header(path)
+    with pytest.raises(ValueError, match="zero.gguf: not a readable GGUF file"):
+        GGUFCheckpoint(path)
