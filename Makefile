@@ -12,6 +12,11 @@ TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/loraplex
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # The suite runs in this many processes (pytest-xdist, a module's tests in one process; 0 = in
 # pytest's own); tests/xdist_isolation.py gives each its own test database and Redis database.
+# Each process (and each server a test starts) runs torch on every core, so its OpenMP threads
+# wait for work asleep (OMP_WAIT_POLICY=passive), not spinning on a core another process needs:
+# two copies of tests/inference/engine/test_engine.py side by side on 2 cores took 142 s
+# spinning, 54 s asleep (49 s with one thread each, which would leave the kernels' threaded
+# paths untested).
 TEST_PROCESSES ?= 2
 
 .PHONY: run test lint model install install-dev clean bench-peers
@@ -48,7 +53,7 @@ test: $(VENV)/.installed-dev
 	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
 		$(VENV)/bin/lint-imports --no-cache
 	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
-		PYTHONPATH="$(CURDIR)" $(VENV)/bin/pytest -p tests.xdist_isolation -n $(TEST_PROCESSES) --dist loadfile \
+		OMP_WAIT_POLICY="$${OMP_WAIT_POLICY:-passive}" PYTHONPATH="$(CURDIR)" $(VENV)/bin/pytest -p tests.xdist_isolation -n $(TEST_PROCESSES) --dist loadfile \
 		$(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
