@@ -2,8 +2,9 @@
 
 The header is read with inference/models/gguf_metadata.py (gguf.GGUFReader took 2-5 s of
 every engine's start parsing the vocabulary's strings into numpy views); the tensors stay in
-the memory-mapped file and are dequantized with `gguf.quants.dequantize` to float32 one at a time (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and
-the K-quants; whatever the `gguf` package can dequantize), then cast to the model dtype.
+the memory-mapped file and are dequantized with `gguf.quants.dequantize` to float32 one at a
+time (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and the K-quants; whatever the `gguf` package can
+dequantize), then cast to the model dtype.
 
 Names (llama.cpp -> ours, N = layer):
     token_embd.weight            embed_tokens.weight
@@ -94,6 +95,18 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
+def tensor_view(mapped: np.ndarray, info: GGUFTensorInfo, endian: str) -> np.ndarray:
+    """A tensor's bytes in its mapped file (`mapped`: the whole file as uint8), viewed as
+    GGUFReader views them: plain types as their elements in PyTorch's shape (byte-swapped where
+    the file is big-endian, `endian` ">"), block types as [..., bytes of a row's blocks]."""
+    # a plain ndarray view: numpy's memmap subclass costs a Python call on every slice of it
+    raw = mapped[info.offset : info.offset + info.nbytes].view(np.ndarray)
+    plain = _PLAIN_DTYPES.get(info.type)
+    if plain is not None:
+        return raw.view(np.dtype(plain).newbyteorder(endian)).reshape(info.shape)
+    return raw.reshape(quant_shape_to_byte_shape(info.shape, info.type))
+
+
 class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -137,15 +150,7 @@ class GGUFCheckpoint:
         return meta
 
     def _data(self, info: GGUFTensorInfo) -> np.ndarray:
-        """A tensor's bytes in the mapped file, viewed as GGUFReader views them: plain types as
-        their elements in PyTorch's shape (byte-swapped where the file is big-endian), block
-        types as [..., bytes of a row's blocks]."""
-        # a plain ndarray view: numpy's memmap subclass costs a Python call on every slice of it
-        raw = self._file[info.offset : info.offset + info.nbytes].view(np.ndarray)
-        plain = _PLAIN_DTYPES.get(info.type)
-        if plain is not None:
-            return raw.view(np.dtype(plain).newbyteorder(self._endian)).reshape(info.shape)
-        return raw.reshape(quant_shape_to_byte_shape(info.shape, info.type))
+        return tensor_view(self._file, info, self._endian)
 
     def _read(self, name: str) -> torch.Tensor:
         """One tensor, dequantized to float32, in PyTorch's [out, in] order."""

@@ -3,16 +3,15 @@ reader and writer."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
-from inference.models.gguf_loader import GGUFCheckpoint
+from inference.models.gguf_loader import GGUFCheckpoint, tensor_view
 from inference.models.gguf_metadata import GGUFFormatError, read_gguf_header, read_gguf_metadata
 
 
@@ -79,14 +78,13 @@ def assert_tensors_match_reader(path: Path) -> None:
     checkpoint's view of its data is GGUFReader's array, dtype, shape and values."""
     header, reader = read_gguf_header(path), GGUFReader(path)
     assert list(header.tensors) == [t.name for t in reader.tensors]
-    checkpoint = GGUFCheckpoint.__new__(GGUFCheckpoint)  # its data view alone: no config needed
-    checkpoint._file, checkpoint._endian = np.memmap(path, dtype=np.uint8, mode="r"), header.endian
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
     for theirs in reader.tensors:
         ours = header.tensors[theirs.name]
         assert (ours.type, ours.dims, ours.offset, ours.nbytes) == (
             theirs.tensor_type, tuple(int(d) for d in theirs.shape), theirs.data_offset, theirs.n_bytes
         ), theirs.name
-        data = checkpoint._data(ours)
+        data = tensor_view(mapped, ours, header.endian)
         assert data.dtype == theirs.data.dtype and data.shape == theirs.data.shape, theirs.name
         assert np.array_equal(data, theirs.data), theirs.name
 
@@ -145,7 +143,7 @@ def test_bad_tensor_headers_are_refused_naming_the_tensor(tmp_path: Path) -> Non
         read_gguf_header(cut)
     assert read_gguf_metadata(cut) == read_gguf_metadata(tmp_path / "good.gguf")  # the tokenizer's read is unaffected
 
-    twice = (tmp_path / "twice.gguf")
+    twice = tmp_path / "twice.gguf"
     twice.write_bytes(good)
     patched(twice, struct.pack("<Q", 3) + b"f16", struct.pack("<Q", 3) + b"f32")
     with pytest.raises(GGUFFormatError, match="'f32' is listed twice"):
