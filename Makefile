@@ -16,7 +16,9 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # wait for work asleep (OMP_WAIT_POLICY=passive), not spinning on a core another process needs:
 # two copies of tests/inference/engine/test_engine.py side by side on 2 cores took 142 s
 # spinning, 54 s asleep (49 s with one thread each, which would leave the kernels' threaded
-# paths untested).
+# paths untested). For the tests only: an engine alone on its cores decodes ~27% slower asleep
+# (bench/serve_vs_offline.py --quick offline: 227 and 219 tok/s spinning, 166 and 154 asleep),
+# so `make run` and the deployment files leave OpenMP's default.
 TEST_PROCESSES ?= 2
 
 .PHONY: run test lint model install install-dev clean bench-peers
