@@ -73,10 +73,11 @@ def test_not_gguf_and_truncated_files_are_rejected(smollm2_path: Path, tmp_path:
         read_gguf_metadata(truncated)
 
 
-def assert_tensors_match_reader(path: Path) -> None:
-    """Every tensor's name, type, dims, place and bytes as GGUFReader finds them; the
-    checkpoint's view of its data is GGUFReader's array, dtype, shape and values."""
-    header, reader = read_gguf_header(path), GGUFReader(path)
+def assert_tensors_match_reader(path: Path, reader: GGUFReader | None = None) -> None:
+    """Every tensor's name, type, dims, place and bytes as GGUFReader (`reader`, opened on `path`
+    where None) finds them; the checkpoint's view of its data is GGUFReader's array, dtype,
+    shape and values."""
+    header, reader = read_gguf_header(path), reader or GGUFReader(path)
     assert list(header.tensors) == [t.name for t in reader.tensors]
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     for theirs in reader.tensors:
@@ -123,9 +124,9 @@ def test_a_custom_alignment_moves_the_data_start(tmp_path: Path) -> None:
     assert_tensors_match_reader(path)
 
 
-def test_real_model_tensors_match_gguf_reader(smollm2_path: Path) -> None:
-    assert_tensors_match_reader(smollm2_path)
-    assert len(read_gguf_header(smollm2_path).tensors) == 272
+def test_real_model_tensors_match_gguf_reader(fetched: Path, fetched_gguf_reader: GGUFReader) -> None:
+    assert_tensors_match_reader(fetched, fetched_gguf_reader)
+    assert len(read_gguf_header(fetched).tensors) == 272
 
 
 def patched(path: Path, old: bytes, new: bytes) -> Path:
